@@ -1,0 +1,112 @@
+"""`LoGRAConfig`: every knob of the method, with the paper's defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+#: The seven projection layers of the Llama / Qwen / Mistral family.
+DEFAULT_TARGETS: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+)
+
+_FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_CHOICES = {
+    "distribution": ("rademacher", "gaussian"),
+    "optimizer": ("row_adam", "sgd"),
+    "non_target": ("freeze", "adamw", "sketch"),
+    "factor_dtype": tuple(_FACTOR_DTYPES),
+}
+
+#: Fields that decide the projections and the delta format. A rollout worker or a
+#: resumed run must agree with the trainer on every one of them.
+SYNC_FIELDS: tuple[str, ...] = (
+    "rank", "seed", "distribution", "refresh", "refresh_every", "factor_dtype",
+)
+
+
+@dataclass
+class LoGRAConfig:
+    """Configuration of LoGRA (arXiv:2610.06647); defaults are the paper's.
+
+    Attributes:
+        rank: rows ``r`` of every projection ``A`` (``[r, in]``).
+        seed: base seed; projections are rebuilt from (seed, update index, layer name).
+        distribution: ``'rademacher'`` (±1/√r) or ``'gaussian'`` (N(0, 1/r)).
+        refresh: draw new projections after updates (paper) instead of keeping one.
+        refresh_every: refresh after every k-th update (1 = every update).
+        optimizer: ``'row_adam'`` (one second moment per output row) or ``'sgd'``.
+        beta2: RowAdam second-moment decay.
+        eps: RowAdam epsilon, relative to the mean row RMS of the layer.
+        update_ratio: global ‖ΔW‖_F / ‖W‖_F of every step before KL scaling; ``None``
+            switches to the plain learning rate ``lr``.
+        lr: learning rate when ``update_ratio`` is None.
+        weight_decay: decoupled weight decay (lr mode only), applied as ``W *= 1 - lr·wd``.
+        target_modules: module-name suffixes (``'q_proj'`` matches ``...self_attn.q_proj``)
+            or regular expressions (any entry with a regex metacharacter, matched with
+            ``re.search``) selecting the ``nn.Linear`` layers to sketch.
+        non_target: what happens to every other parameter: ``'freeze'`` (paper: the
+            low-rank deltas are the whole policy change), ``'adamw'`` (a native AdamW
+            trains them) or ``'sketch'`` (lm_head and input embeddings are sketched too;
+            norms and biases use AdamW).
+        non_target_lr: learning rate of that AdamW.
+        factor_dtype: dtype of the update factor ``U`` that trainer and rollout share.
+        max_grad_norm: clip the global norm of the sketched gradient ``‖S A‖_F`` (and of
+            dense non-target gradients) to this value; ``None`` disables clipping.
+    """
+
+    rank: int = 256
+    seed: int = 42
+    distribution: Literal["rademacher", "gaussian"] = "rademacher"
+    refresh: bool = True
+    refresh_every: int = 1
+    optimizer: Literal["row_adam", "sgd"] = "row_adam"
+    beta2: float = 0.95
+    eps: float = 1e-8
+    update_ratio: float | None = 6e-5
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    target_modules: tuple[str, ...] = field(default_factory=lambda: DEFAULT_TARGETS)
+    non_target: Literal["freeze", "adamw", "sketch"] = "freeze"
+    non_target_lr: float = 1e-5
+    factor_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    max_grad_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        self.target_modules = tuple(self.target_modules)
+        for name, allowed in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"LoGRAConfig.{name}={value!r} is not one of {allowed}")
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"LoGRAConfig.rank must be a positive int, got {self.rank!r}")
+        if self.refresh_every < 1:
+            raise ValueError(f"LoGRAConfig.refresh_every must be >= 1, got {self.refresh_every}")
+        if not 0.0 <= self.beta2 < 1.0:
+            raise ValueError(f"LoGRAConfig.beta2 must be in [0, 1), got {self.beta2}")
+        if self.update_ratio is not None and self.update_ratio <= 0:
+            raise ValueError(f"LoGRAConfig.update_ratio must be > 0 or None, got {self.update_ratio}")
+        if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError("LoGRAConfig.lr and eps must be > 0 and weight_decay >= 0")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"LoGRAConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if not self.target_modules:
+            raise ValueError("LoGRAConfig.target_modules is empty")
+
+    @property
+    def torch_factor_dtype(self) -> torch.dtype:
+        """``factor_dtype`` as a ``torch.dtype``."""
+        return _FACTOR_DTYPES[self.factor_dtype]
+
+    def sync_fields(self) -> dict[str, Any]:
+        """The fields (`SYNC_FIELDS`) that trainer and rollout workers must share."""
+        return {name: getattr(self, name) for name in SYNC_FIELDS}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict of every field (lists instead of tuples), for YAML/JSON."""
+        out = dataclasses.asdict(self)
+        out["target_modules"] = list(self.target_modules)
+        return out

@@ -1,0 +1,138 @@
+"""`PolicyDelta`: the compact update the trainer applies and sends to rollout engines.
+
+Per target it carries the factor ``U`` (``[out, r]`` in ``factor_dtype``) of
+``ΔW = -U A`` plus the seed information that rebuilds ``A``: ``out·r`` values instead of
+``out·in`` weights. `apply_delta` is the one code path that merges an update, used by
+the trainer too, so a receiver that applies the same deltas in order holds bitwise the
+same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import load as _st_load
+from safetensors.torch import save as _st_save
+from torch import nn
+
+from .config import LoGRAConfig
+from .errors import DeltaMismatchError
+from .projection import make_projection, projection_seed, stable_name
+
+_STEP_ATTR = "_logra_policy_step"
+
+
+@dataclass
+class PolicyDelta:
+    """One applied update in compact form.
+
+    Attributes:
+        step: index of the update (number of updates applied before it).
+        projection_index: which projection was in force (see `projection_index`).
+        sync: the config's `SYNC_FIELDS` (rank, seed, distribution, refresh, ...).
+        factors: per target stable name, ``U`` with ``ΔW = -U A``.
+        decay: decoupled weight decay applied first, ``W *= 1 - decay`` (0 = none).
+        checksum: optional digest of the sender's target weights after the update.
+    """
+
+    step: int
+    projection_index: int
+    sync: dict[str, Any]
+    factors: dict[str, torch.Tensor]
+    decay: float = 0.0
+    checksum: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the factors (the payload; seeds and names are negligible)."""
+        return sum(u.numel() * u.element_size() for u in self.factors.values())
+
+    def to_bytes(self) -> bytes:
+        """Serialise (safetensors: factors as tensors, the rest as JSON metadata)."""
+        header = {
+            "step": self.step, "projection_index": self.projection_index, "sync": self.sync,
+            "decay": self.decay, "checksum": self.checksum, "metadata": self.metadata,
+        }
+        tensors = {name: u.detach().contiguous().cpu() for name, u in self.factors.items()}
+        return _st_save(tensors, metadata={"logra": json.dumps(header)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PolicyDelta:
+        """Inverse of `to_bytes`."""
+        header_len = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8: 8 + header_len]).get("__metadata__", {})
+        if "logra" not in meta:
+            raise DeltaMismatchError("these bytes are not a serialised PolicyDelta")
+        header = json.loads(meta["logra"])
+        return cls(factors=dict(_st_load(data)), **header)
+
+
+def merge_update(weight: torch.Tensor, u: torch.Tensor, projection: torch.Tensor, decay: float) -> None:
+    """In place: ``W ← (1 - decay)·W - U A`` (the single merge used by trainer and receivers)."""
+    if decay:
+        weight.mul_(1.0 - decay)
+    weight.addmm_(u.to(weight.dtype), projection.to(weight.dtype), alpha=-1.0)
+
+
+def policy_step(model: nn.Module) -> int:
+    """How many deltas have been applied to ``model`` through `apply_delta` (0 if none)."""
+    return getattr(model, _STEP_ATTR, 0)
+
+
+def set_policy_step(model: nn.Module, step: int) -> None:
+    """Record that ``model`` now holds the policy after ``step`` updates (after a full sync)."""
+    setattr(model, _STEP_ATTR, step)
+
+
+def weights_checksum(model: nn.Module, names: list[str] | None = None) -> str:
+    """BLAKE2 digest of the named parameters' bytes (all parameters if ``names`` is None)."""
+    params = {stable_name(n): p for n, p in model.named_parameters()}
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(names if names is not None else params):
+        t = params[name].detach()
+        h.update(name.encode())
+        h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def apply_delta(model: nn.Module, delta: PolicyDelta, config: LoGRAConfig) -> None:
+    """Apply ``delta`` to a copy of the policy, rebuilding every projection from seeds.
+
+    The model must have received every earlier delta (`policy_step`), so gaps and
+    reorders are refused; so are deltas made with other sync fields or shapes. After the
+    same sequence of deltas its target weights are bitwise identical to the trainer's.
+
+    Raises:
+        DeltaMismatchError: config fields, target names or shapes differ, or the delta's
+            step is not the next one. Nothing is changed in that case.
+    """
+    expected = config.sync_fields()
+    for key, value in expected.items():
+        if delta.sync.get(key) != value:
+            raise DeltaMismatchError(
+                f"delta was made with {key}={delta.sync.get(key)!r} but this config has {key}={value!r}")
+    current = policy_step(model)
+    if delta.step != current:
+        raise DeltaMismatchError(
+            f"out-of-order delta: model holds the policy after {current} updates, delta is update {delta.step}")
+    params = {stable_name(n): p for n, p in model.named_parameters()}
+    missing = sorted(set(delta.factors) - set(params))
+    if missing:
+        raise DeltaMismatchError(f"delta targets {missing[:3]}{'...' if len(missing) > 3 else ''} not in this model")
+    for name, u in delta.factors.items():
+        w = params[name]
+        if w.dim() != 2 or u.shape != (w.shape[0], config.rank) or config.rank > w.shape[1]:
+            raise DeltaMismatchError(
+                f"delta factor for {name} is {tuple(u.shape)}, model weight is {tuple(w.shape)}, rank {config.rank}")
+    with torch.no_grad():
+        for name, u in delta.factors.items():
+            w = params[name]
+            seed = projection_seed(config.seed, delta.projection_index, name)
+            a = make_projection(config.rank, w.shape[1], seed, config.distribution, device=w.device)
+            merge_update(w, u.to(w.device), a, delta.decay)
+    set_policy_step(model, delta.step + 1)

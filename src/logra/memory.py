@@ -1,0 +1,143 @@
+"""Memory measurement with PyTorch's own tools.
+
+`track_memory` wraps ``torch.distributed._tools.mem_tracker.MemTracker`` (peak bytes by
+category: parameters, gradients, optimizer state, activations, temporaries) and adds
+the process peak RSS and, on CUDA, ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+GIB = 1024**3
+#: Category names of `MemoryReport.peak_by_category`.
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "buffers", "other")
+_NAMES = {
+    _MemRefType.PARAM: "parameters", _MemRefType.GRAD: "gradients", _MemRefType.OPT: "optimizer",
+    _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporary", _MemRefType.BUFFER: "buffers",
+    _MemRefType.OTH: "other",
+}
+
+
+class _Tracker(MemTracker):
+    """MemTracker that tolerates frozen parameters.
+
+    Upstream registers a gradient hook on every parameter of every module it enters,
+    which raises for ``requires_grad=False`` weights (LoGRA targets, LoRA bases).
+    """
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):  # type: ignore[override]
+        result = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for p in module.parameters():
+                if p.requires_grad and p not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[p] = (
+                        p.register_hook(self._record_grad),
+                        p.register_post_accumulate_grad_hook(lambda q: self._record_grad(q.grad)),
+                    )
+        return result
+
+    def _record_grad(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    def track_as(self, tensors: dict[str, list[torch.Tensor]]) -> None:
+        """Count externally created tensors under a category ('gradients' or 'optimizer')."""
+        kinds = {"gradients": _MemRefType.GRAD, "optimizer": _MemRefType.OPT}
+        for category, items in tensors.items():
+            for t in items:
+                self._update_and_maybe_create_winfos(t, kinds[category])
+
+
+@dataclass
+class MemoryReport:
+    """Peak memory of a tracked region.
+
+    Attributes:
+        peak_by_category: bytes per category (`CATEGORIES`) at the tracker's overall peak.
+        peak_total: bytes of all tracked tensors at that peak.
+        peak_rss: the process's peak resident set size so far (bytes; lifetime of the process).
+        cuda_max_allocated: ``torch.cuda.max_memory_allocated`` over the region (None on CPU).
+    """
+
+    peak_by_category: dict[str, int] = field(default_factory=dict)
+    peak_total: int = 0
+    peak_rss: int = 0
+    cuda_max_allocated: int | None = None
+
+    _tracker: MemTracker | None = field(default=None, repr=False)
+
+    def new_iteration(self) -> None:
+        """Call between repeated forward passes of the same model inside one region.
+
+        MemTracker keys its module statistics by call; this starts a new set while the
+        global peak keeps accumulating.
+        """
+        if self._tracker is not None:
+            self._tracker.reset_mod_stats()
+
+    def gib(self) -> dict[str, float]:
+        """The figures in GiB, flat, for tables and logs."""
+        out = {f"{k}_gib": v / GIB for k, v in self.peak_by_category.items()}
+        out["tracked_peak_gib"] = self.peak_total / GIB
+        out["rss_peak_gib"] = self.peak_rss / GIB
+        if self.cuda_max_allocated is not None:
+            out["cuda_max_allocated_gib"] = self.cuda_max_allocated / GIB
+        return out
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process in bytes (``ru_maxrss``)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+@contextmanager
+def track_memory(*external: nn.Module | torch.optim.Optimizer | torch.Tensor, device: torch.device | str | None = None) -> Iterator[MemoryReport]:
+    """Track every tensor allocated in the block plus the given modules and optimizers.
+
+    Yields a `MemoryReport` that is filled in when the block exits::
+
+        with track_memory(model, optimizer) as report:
+            loss = model(**batch).loss; loss.backward(); optimizer.step()
+        print(report.gib())
+    """
+    device = torch.device(device) if device is not None else None
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    tracker = _Tracker()
+    report = MemoryReport(_tracker=tracker)
+    tracker.track_external(*[x for x in external if x is not None])
+    for x in external:
+        # Optimizers whose state lives outside `optimizer.state` (LoGRA's sketch buffer,
+        # second moments, projections) say where it is.
+        if hasattr(x, "memory_tensors"):
+            tracker.track_as(x.memory_tensors())
+    with tracker:
+        yield report
+    peak = tracker.get_tracker_snapshot("peak")
+    by_cat = {name: 0 for name in CATEGORIES}
+    total = 0
+    for dev, stats in peak.items():
+        if device is not None and torch.device(dev).type != device.type:
+            continue
+        for ref, nbytes in stats.items():
+            if ref in _NAMES:
+                by_cat[_NAMES[ref]] += nbytes
+            elif ref == "Total":
+                total += nbytes
+    report.peak_by_category = by_cat
+    report.peak_total = total
+    report.peak_rss = peak_rss_bytes()
+    if cuda:
+        torch.cuda.synchronize(device)
+        report.cuda_max_allocated = torch.cuda.max_memory_allocated(device)

@@ -1,0 +1,327 @@
+"""`LoGRAOptimizer`: RowAdam (or SGD) on gradient sketches, with a propose/apply split.
+
+``propose()`` turns the accumulated sketches into the step that would be taken (weights
+and optimizer state unchanged); a controller may then choose a scale ``α``;
+``apply(proposal, α)`` merges ``W ← W - U A`` with ``U = α·D`` in ``factor_dtype``,
+advances the step, refreshes the projections and returns the `PolicyDelta` a rollout
+engine needs. ``step()`` is ``apply(propose())`` for ordinary training loops.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import LoGRAConfig
+from .delta import PolicyDelta, merge_update
+from .errors import NonFiniteSketchError, StaleProposalError
+from .projection import make_projection, projection_index, projection_seed
+from .sketch import SketchSet
+
+_TINY = torch.finfo(torch.float32).tiny
+_owner_ids = itertools.count()
+
+
+def row_adam_direction(
+    s: torch.Tensor, v: torch.Tensor, t: int, beta2: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One RowAdam step on a sketch: returns ``(D, v_new)`` and changes nothing.
+
+    ``s`` is ``[out, r]`` (already divided by the token count), ``v`` the per-row second
+    moment ``[out, 1]``, ``t`` the 1-based step. ``D`` has the Frobenius norm of ``s``.
+    """
+    v_new = v * beta2 + (1.0 - beta2) * s.square().mean(dim=1, keepdim=True)
+    rms = (v_new / (1.0 - beta2**t)).sqrt()
+    den = rms + torch.clamp(eps * rms.mean(), min=_TINY)
+    # Scale by min(den)/den rather than 1/den: no overflow for rows with tiny RMS.
+    d = s * (den.min() / den)
+    s_norm, d_norm = torch.linalg.vector_norm(s), torch.linalg.vector_norm(d)
+    if d_norm > 0:
+        d = d * (s_norm / d_norm)
+    return d, v_new
+
+
+def sketch_update_sq_norm(d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``‖D A‖_F²`` via the ``r×r`` Gram matrix, without forming ``D A``."""
+    return ((d @ (a @ a.T)) * d).sum()
+
+
+@dataclass(eq=False)
+class Proposal:
+    """The step `LoGRAOptimizer.propose` would take: ``ΔW = -(D A) - decay·W`` per target.
+
+    Attributes:
+        step: the optimizer's update count when proposed; `apply` refuses it afterwards.
+        directions: per target, ``D`` ``[out, r]`` fp32, already including the step size.
+        decay: decoupled weight decay coefficient of the step (0 unless lr mode with wd).
+        sketch_norm: global ``‖S A‖_F`` of the (clipped) sketched gradient.
+        update_norm: global ``‖D A‖_F`` of the proposed update.
+    """
+
+    step: int
+    directions: dict[str, torch.Tensor]
+    decay: float
+    sketch_norm: float
+    update_norm: float
+    _owner: LoGRAOptimizer = field(repr=False)
+    _second_moments: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
+    _clip: float = field(repr=False, default=1.0)
+
+    def forward(self, model: nn.Module, eps: torch.Tensor, **inputs: Any) -> Any:
+        """Run ``model(**inputs)`` at ``θ + ε·Δ`` (used by `predicted_kl` with a dual ``ε``)."""
+        with self._owner._sketches.probing(eps, self.directions, self.decay):
+            return model(**inputs)
+
+
+class LoGRAOptimizer(torch.optim.Optimizer):
+    """Low-rank gradient-sketch optimizer (LoGRA, arXiv:2610.06647).
+
+    Installs sketches on ``model``'s target layers (their weights get
+    ``requires_grad=False``), then behaves like a ``torch.optim.Optimizer``: call
+    ``loss.backward()``, ``step()``, ``zero_grad()``. Divide the loss by the number of
+    loss-bearing tokens of the whole update (as for any optimizer) so that gradient
+    accumulation over micro-batches sums to a mean.
+
+    ``param_groups[0]`` holds the sketched weights and the live values of ``lr``,
+    ``update_ratio``, ``weight_decay``, ``beta2`` and ``eps`` (schedulers may edit them);
+    with ``non_target`` ``'adamw'``/``'sketch'``, ``param_groups[1]`` is the AdamW group
+    of the remaining trainable parameters.
+    """
+
+    def __init__(self, model: nn.Module, config: LoGRAConfig | None = None) -> None:
+        self.config = config = config or LoGRAConfig()
+        self.model = model
+        self._sketches = SketchSet(model, config.target_modules, config.rank, config.non_target == "sketch")
+        targets = self._sketches.targets
+        low_precision = [n for n, t in targets.items() if t.weight.dtype in (torch.bfloat16, torch.float16)]
+        if low_precision:
+            warnings.warn(
+                f"{len(low_precision)} target weights are {targets[low_precision[0]].weight.dtype}: tiny updates "
+                "are rounded away when merged. Keep fp32 weights and compute in bf16 with autocast.",
+                stacklevel=2,
+            )
+        group = {
+            "params": [t.weight for t in targets.values()], "name": "logra", "lr": config.lr,
+            "update_ratio": config.update_ratio, "weight_decay": config.weight_decay,
+            "beta2": config.beta2, "eps": config.eps,
+        }
+        super().__init__([group], {})
+        target_ids = {id(t.weight) for t in targets.values()}
+        rest = [p for p in model.parameters() if id(p) not in target_ids and p.requires_grad]
+        self._dense: torch.optim.AdamW | None = None
+        if config.non_target == "freeze":
+            for p in rest:
+                p.requires_grad_(False)
+        elif rest:
+            self._dense = torch.optim.AdamW(rest, lr=config.non_target_lr, betas=(0.9, 0.95), weight_decay=0.0)
+            self._dense.param_groups[0]["name"] = "non_target_adamw"
+            self.param_groups.append(self._dense.param_groups[0])
+        self._uid = next(_owner_ids)
+        self._step = 0
+        self._second_moments = {
+            n: torch.zeros(t.out_features, 1, dtype=torch.float32, device=t.weight.device) for n, t in targets.items()
+        }
+        self._projection_index: int | None = None
+        self._refresh_projections()
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def num_updates(self) -> int:
+        """Updates applied so far (also the index of the next one)."""
+        return self._step
+
+    @property
+    def sketch_buffer(self) -> torch.Tensor:
+        """The shared ``[Σ out, r]`` fp32 buffer of all sketches (for all-reduce)."""
+        return self._sketches.buffer
+
+    @property
+    def targets(self) -> list[str]:
+        """Stable names of the sketched weights."""
+        return list(self._sketches.targets)
+
+    def sketches(self) -> dict[str, torch.Tensor]:
+        """Per target, its sketch ``S = G Aᵀ`` (``[out, r]`` fp32 views, not copies)."""
+        return {n: t.sketch for n, t in self._sketches.targets.items()}
+
+    def projection(self, name: str) -> torch.Tensor:
+        """The projection ``A`` (``[r, in]`` fp32) currently in force for target ``name``."""
+        return self._sketches.targets[name].projection
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The optimizer's own tensors by memory category, for `logra.memory.track_memory`.
+
+        The sketch buffer replaces gradients; second moments and projections are state.
+        """
+        targets = self._sketches.targets.values()
+        return {
+            "gradients": [self._sketches.buffer],
+            "optimizer": list(self._second_moments.values()) + [t.projection for t in targets],
+        }
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Non-target parameters trained by the internal AdamW (empty with 'freeze')."""
+        return list(self._dense.param_groups[0]["params"]) if self._dense else []
+
+    # ------------------------------------------------------------------ the step
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the sketches and the dense gradients of non-target parameters."""
+        self._sketches.zero_()
+        super().zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def propose(self) -> Proposal:
+        """The step that would be taken now; weights and optimizer state are unchanged.
+
+        Raises:
+            NonFiniteSketchError: a sketch or dense gradient holds NaN/Inf.
+        """
+        buffer = self._sketches.buffer
+        dense_grads = [p.grad for p in self.dense_parameters() if p.grad is not None]
+        if not torch.isfinite(buffer).all() or not all(torch.isfinite(g).all() for g in dense_grads):
+            raise NonFiniteSketchError(
+                f"non-finite gradient sketch before update {self._step} (NaN/Inf loss?); nothing was changed")
+        group = self.param_groups[0]
+        targets = self._sketches.targets
+        sq = sum(sketch_update_sq_norm(t.sketch, t.projection) for t in targets.values())
+        sq = sq + sum(g.square().sum() for g in dense_grads)
+        sketch_norm = math.sqrt(max(float(sq), 0.0))
+        clip = 1.0
+        if self.config.max_grad_norm is not None and sketch_norm > self.config.max_grad_norm:
+            clip = self.config.max_grad_norm / (sketch_norm + 1e-6)
+        directions, moments = {}, {}
+        t_next = self._step + 1
+        for name, target in targets.items():
+            s = target.sketch * clip if clip != 1.0 else target.sketch
+            if self.config.optimizer == "row_adam":
+                directions[name], moments[name] = row_adam_direction(
+                    s, self._second_moments[name], t_next, group["beta2"], group["eps"])
+            else:
+                directions[name] = s.clone()
+        update_sq = float(sum(sketch_update_sq_norm(directions[n], t.projection) for n, t in targets.items()))
+        decay = 0.0
+        if group["update_ratio"] is not None:
+            weight_norm = math.sqrt(float(sum(t.weight.float().square().sum() for t in targets.values())))
+            scale = group["update_ratio"] * weight_norm / math.sqrt(update_sq) if update_sq > 0 else 0.0
+        else:
+            scale = group["lr"]
+            decay = group["lr"] * group["weight_decay"]
+        for d in directions.values():
+            d.mul_(scale)
+        return Proposal(
+            step=self._step, directions=directions, decay=decay, sketch_norm=sketch_norm,
+            update_norm=scale * math.sqrt(update_sq), _owner=self, _second_moments=moments, _clip=clip,
+        )
+
+    @torch.no_grad()
+    def apply(self, proposal: Proposal, alpha: float = 1.0) -> PolicyDelta:
+        """Merge ``α`` times ``proposal`` into the weights and advance one update.
+
+        Returns the `PolicyDelta` that reproduces exactly this change elsewhere. The
+        sketches are consumed (zeroed): they were taken against projections that are
+        now replaced.
+
+        Raises:
+            StaleProposalError: the proposal is from another optimizer or an earlier step.
+            ValueError: ``alpha`` is negative or non-finite.
+        """
+        if proposal._owner is not self:
+            raise StaleProposalError("this proposal was made by another optimizer")
+        if proposal.step != self._step:
+            raise StaleProposalError(
+                f"stale proposal: made at update {proposal.step}, optimizer is at update {self._step}")
+        if not (math.isfinite(alpha) and alpha >= 0):
+            raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
+        dtype = self.config.torch_factor_dtype
+        decay = alpha * proposal.decay
+        factors = {}
+        for name, target in self._sketches.targets.items():
+            u = (proposal.directions[name] * alpha).to(dtype)
+            merge_update(target.weight, u, target.projection, decay)
+            factors[name] = u
+        self._second_moments.update(proposal._second_moments)
+        if self._dense is not None:
+            group = self._dense.param_groups[0]
+            lr = group["lr"]
+            group["lr"] = lr * alpha  # AdamW's displacement is linear in lr
+            if proposal._clip != 1.0:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(proposal._clip)
+            try:
+                self._dense.step()
+            finally:
+                group["lr"] = lr
+        delta = PolicyDelta(
+            step=self._step, projection_index=self._projection_index,
+            sync=self.config.sync_fields(), factors=factors, decay=decay,
+        )
+        self._step += 1
+        self._refresh_projections()
+        self._sketches.zero_()
+        return delta
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """``apply(propose())``: one full-size update (no KL control)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.apply(self.propose())
+        return loss
+
+    # ------------------------------------------------------------------ state
+    def _refresh_projections(self) -> None:
+        index = projection_index(self._step, self.config.refresh, self.config.refresh_every)
+        if index == self._projection_index:
+            return
+        cfg = self.config
+        for name, target in self._sketches.targets.items():
+            seed = projection_seed(cfg.seed, index, name)
+            target.projection = make_projection(cfg.rank, target.in_features, seed, cfg.distribution, target.weight.device)
+        self._projection_index = index
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """Tensors and plain values only: loads with ``torch.load(weights_only=True)``.
+
+        Projections are not stored; they are rebuilt from the seeds.
+        """
+        hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        return {
+            "num_updates": self._step,
+            "sync": self.config.sync_fields(),
+            "hyper": hyper,
+            "second_moments": {n: v.clone() for n, v in self._second_moments.items()},
+            "non_target": self._dense.state_dict() if self._dense is not None else None,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore a `state_dict`; the sync fields and targets must match this optimizer."""
+        for key, value in self.config.sync_fields().items():
+            if state_dict["sync"].get(key) != value:
+                raise ValueError(f"optimizer state was saved with {key}={state_dict['sync'].get(key)!r}, config has {value!r}")
+        names = set(state_dict["second_moments"])
+        if names != set(self._second_moments):
+            raise ValueError(f"optimizer state targets differ: {sorted(names ^ set(self._second_moments))[:3]}")
+        if (state_dict["non_target"] is None) != (self._dense is None):
+            raise ValueError("optimizer state and this optimizer disagree on non-target training")
+        for name, v in state_dict["second_moments"].items():
+            self._second_moments[name] = v.to(self._second_moments[name])
+        self.param_groups[0].update(state_dict["hyper"])
+        if self._dense is not None:
+            self._dense.load_state_dict(state_dict["non_target"])
+        self._step = state_dict["num_updates"]
+        self._sketches.zero_()
+        self._refresh_projections()
+
+    def remove(self) -> None:
+        """Uninstall the sketches: target weights get their normal forward and gradients back."""
+        self._sketches.remove()

@@ -1,0 +1,64 @@
+"""Seeded random projections: any process rebuilds the same ``A`` without receiving it.
+
+A projection is ``[r, in]`` with ``E[AᵀA] = I``, so ``S A = G AᵀA`` is an unbiased
+estimate of the dense gradient ``G`` from its sketch ``S = G Aᵀ``. Matrices are drawn on
+the CPU with a `torch.Generator`, which gives the same bits on every machine, and only
+then moved to the weight's device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+
+import torch
+
+# Prefixes that wrappers (torch.compile, DDP, FSDP, activation checkpointing, PEFT) add
+# to parameter names; the seed must not depend on how a model happens to be wrapped.
+_WRAPPER_PREFIXES = re.compile(
+    r"(^|\.)(_orig_mod|module|_fsdp_wrapped_module|_checkpoint_wrapped_module|base_model\.model)\."
+)
+
+
+def stable_name(name: str) -> str:
+    """``name`` with wrapper prefixes (``module.``, ``_orig_mod.``, FSDP/checkpoint) removed."""
+    previous = None
+    while previous != name:
+        previous, name = name, _WRAPPER_PREFIXES.sub(r"\1", name)
+    return name
+
+
+def projection_index(update_index: int, refresh: bool, refresh_every: int) -> int:
+    """Which projection is in force after ``update_index`` applied updates."""
+    if not refresh:
+        return 0
+    return (update_index // refresh_every) * refresh_every
+
+
+def projection_seed(base_seed: int, index: int, name: str) -> int:
+    """A 63-bit seed from the base seed, the projection index and the layer's stable name."""
+    key = f"{base_seed}:{index}:{stable_name(name)}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def make_projection(
+    rank: int,
+    in_features: int,
+    seed: int,
+    distribution: str = "rademacher",
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Draw one fp32 projection ``[rank, in_features]`` with ``E[AᵀA] = I``.
+
+    Rademacher entries are ±1/√rank, Gaussian entries N(0, 1/rank).
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if distribution == "rademacher":
+        a = torch.randint(0, 2, (rank, in_features), generator=gen, dtype=torch.int8)
+        a = (a.to(torch.float32) * 2.0 - 1.0).mul_(1.0 / math.sqrt(rank))
+    elif distribution == "gaussian":
+        a = torch.randn(rank, in_features, generator=gen, dtype=torch.float32).mul_(1.0 / math.sqrt(rank))
+    else:
+        raise ValueError(f"unknown projection distribution {distribution!r} (rademacher | gaussian)")
+    return a.to(device) if device is not None else a

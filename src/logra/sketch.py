@@ -1,0 +1,260 @@
+"""Gradient sketches: the backward pass of a target produces ``S = G Aᵀ``, never ``G``.
+
+A target layer ``Y = X Wᵀ`` is re-routed so that its forward pass saves only
+``P = X Aᵀ`` (``[N, r]``) instead of ``X`` (``[N, in]``), and its backward pass adds
+``Hᵀ P`` into a fp32 sketch ``[out, r]`` while passing ``dX = H W`` through unchanged.
+The weight itself has ``requires_grad=False``: autograd keeps no dense gradient and no
+full input for it. All sketches are row blocks of one ``[Σ out, r]`` buffer, so zeroing,
+clipping and all-reduce are single operations.
+
+Embeddings (``non_target='sketch'``) work the same way: their gradient is a scatter of
+``H`` rows, so their sketch is a scatter-add of ``H Aᵀ`` rows. Tied input/output
+embeddings are one target with one projection and one sketch.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .projection import stable_name
+
+_REGEX_CHARS = set("^$*+?[](){}|\\")
+
+
+@dataclass(eq=False)
+class SketchTarget:
+    """One sketched weight ``[out, in]`` and everything the method keeps for it.
+
+    Attributes:
+        name: stable parameter name (wrapper prefixes removed); keys seeds and deltas.
+        weight: the parameter (``requires_grad=False`` while sketched).
+        sketch: ``[out, r]`` fp32 view into the shared sketch buffer.
+        projection: ``[r, in]`` fp32 projection currently in force (set by the optimizer).
+        modules: the modules that read this weight (two for tied embeddings).
+    """
+
+    name: str
+    weight: nn.Parameter
+    sketch: torch.Tensor
+    projection: torch.Tensor | None = None
+    modules: list[nn.Module] = field(default_factory=list)
+    # (eps, D, decay) while a forward-mode KL probe perturbs this target.
+    _probe: tuple[torch.Tensor, torch.Tensor, float] | None = None
+    # A leaf that requires grad, so autograd runs our backward even when nothing
+    # upstream of the layer is trainable (frozen embeddings).
+    _anchor: torch.Tensor = field(default_factory=lambda: torch.zeros((), requires_grad=True))
+
+    @property
+    def out_features(self) -> int:
+        """Rows of the weight (``out``; ``vocab`` for an embedding)."""
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        """Columns of the weight (``in``; the hidden size for an embedding)."""
+        return self.weight.shape[1]
+
+
+class _SketchedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, anchor, weight, target):
+        y = F.linear(x, weight)
+        p = F.linear(x, target.projection.to(x.dtype))
+        ctx.save_for_backward(p, weight)
+        ctx.target = target
+        ctx.x_dtype = x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, h):
+        p, weight = ctx.saved_tensors
+        sketch = ctx.target.sketch
+        # fp32 accumulation: sketches of several micro-batches are summed in place.
+        sketch.addmm_(h.reshape(-1, h.shape[-1]).T.float(), p.reshape(-1, p.shape[-1]).float())
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = h.matmul(weight.to(h.dtype)).to(ctx.x_dtype)
+        return dx, None, None, None
+
+
+class _SketchedEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, anchor, weight, target, padding_idx):
+        ctx.save_for_backward(ids)
+        ctx.target = target
+        ctx.projection = target.projection
+        ctx.padding_idx = padding_idx
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, h):
+        (ids,) = ctx.saved_tensors
+        hp = h.reshape(-1, h.shape[-1]).float() @ ctx.projection.T
+        ids = ids.reshape(-1)
+        if ctx.padding_idx is not None:
+            # The dense gradient of the padding row is zero by definition.
+            keep = ids != ctx.padding_idx
+            ids, hp = ids[keep], hp[keep]
+        ctx.target.sketch.index_add_(0, ids, hp)
+        return None, None, None, None, None
+
+
+def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    t: SketchTarget = module._logra_target
+    if t._probe is not None:
+        eps, d, decay = t._probe
+        y = F.linear(x, t.weight)
+        # d/dε of X W(ε)ᵀ with W(ε) = (1 - ε·decay) W - ε D A.
+        change = F.linear(F.linear(x, t.projection.to(x.dtype)), d.to(x.dtype))
+        if decay:
+            change = change + decay * y
+        y = y - eps * change
+    elif torch.is_grad_enabled():
+        y = _SketchedLinear.apply(x, t._anchor, t.weight, t)
+    else:
+        return F.linear(x, t.weight, module.bias)
+    return y if module.bias is None else y + module.bias.to(y.dtype)
+
+
+def _embedding_forward(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    t: SketchTarget = module._logra_target
+    if t._probe is not None:
+        eps, d, decay = t._probe
+        y = F.embedding(ids, t.weight, module.padding_idx)
+        change = F.embedding(ids, d) @ t.projection
+        if decay:
+            change = change + decay * y
+        return y - eps * change.to(y.dtype)
+    if torch.is_grad_enabled():
+        return _SketchedEmbedding.apply(ids, t._anchor, t.weight, t, module.padding_idx)
+    return F.embedding(ids, t.weight, module.padding_idx)
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    for pattern in patterns:
+        if set(pattern) & _REGEX_CHARS:
+            if re.search(pattern, name):
+                return True
+        elif name == pattern or name.endswith("." + pattern):
+            return True
+    return False
+
+
+def find_targets(model: nn.Module, patterns: tuple[str, ...], embeddings: bool = False) -> dict[str, list[tuple[str, nn.Module]]]:
+    """Map each target weight's stable name to the ``(module name, module)`` pairs using it.
+
+    Raises:
+        ValueError: nothing matches (the message lists the model's layer names), or a
+            matched module is not an ``nn.Linear`` (e.g. GPT-2's ``Conv1D``).
+    """
+    found: dict[int, tuple[str, list[tuple[str, nn.Module]]]] = {}
+    param_names = {id(p): stable_name(n) for n, p in model.named_parameters(remove_duplicate=True)}
+
+    def add(module_name: str, module: nn.Module) -> None:
+        key = id(module.weight)
+        entry = found.setdefault(key, (param_names[key], []))
+        if all(m is not module for _, m in entry[1]):
+            entry[1].append((module_name, module))
+
+    for module_name, module in model.named_modules():
+        name = stable_name(module_name)
+        if not name or not _matches(name, patterns):
+            continue
+        if type(module) is not nn.Linear:
+            raise ValueError(
+                f"target {module_name!r} is a {type(module).__name__}, not an nn.Linear; LoGRA "
+                "sketches nn.Linear weights (and embeddings with non_target='sketch'). Narrow "
+                "target_modules, or convert the layer (GPT-2's Conv1D stores Wᵀ) to nn.Linear."
+            )
+        add(module_name, module)
+    if not found:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        others = sorted({type(m).__name__ for m in model.modules() if len(list(m.children())) == 0} - {"Linear"})
+        raise ValueError(
+            f"no module matches target_modules={patterns}. nn.Linear layers in this model end in: "
+            f"{linear or 'none'}; other leaf module types: {others}"
+        )
+    if embeddings:
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            module = getattr(model, getter, lambda: None)()
+            if module is None:
+                continue
+            if not isinstance(module, (nn.Embedding, nn.Linear)):
+                raise ValueError(f"{getter}() returned a {type(module).__name__}; cannot sketch it")
+            if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.scale_grad_by_freq):
+                raise ValueError("embeddings with max_norm or scale_grad_by_freq cannot be sketched")
+            module_name = next(n for n, m in model.named_modules() if m is module)
+            add(module_name, module)
+    return {name: modules for name, modules in found.values()}
+
+
+class SketchSet:
+    """The sketched targets of one model and their shared fp32 sketch buffer.
+
+    Installing re-routes each target module's forward (see the module docstring) and
+    sets ``requires_grad=False`` on its weight; `remove` undoes both.
+    """
+
+    def __init__(self, model: nn.Module, patterns: tuple[str, ...], rank: int, embeddings: bool = False) -> None:
+        groups = find_targets(model, patterns, embeddings)
+        weights = {name: modules[0][1].weight for name, modules in groups.items()}
+        devices = {w.device for w in weights.values()}
+        if len(devices) != 1:
+            raise ValueError(f"sketched weights must share one device, found {sorted(map(str, devices))}")
+        for name, w in weights.items():
+            if w.dim() != 2:
+                raise ValueError(f"target {name} has a {w.dim()}-D weight; only 2-D weights are sketched")
+            if rank > w.shape[1]:
+                raise ValueError(f"rank {rank} exceeds the input size {w.shape[1]} of target {name}")
+        total = sum(w.shape[0] for w in weights.values())
+        self.rank = rank
+        self.buffer = torch.zeros(total, rank, dtype=torch.float32, device=devices.pop())
+        self.targets: dict[str, SketchTarget] = {}
+        offset = 0
+        for name, modules in groups.items():
+            w = weights[name]
+            view = self.buffer[offset: offset + w.shape[0]]
+            offset += w.shape[0]
+            target = SketchTarget(name, w, view, modules=[m for _, m in modules])
+            self.targets[name] = target
+            w.requires_grad_(False)
+            w.grad = None
+            for module in target.modules:
+                forward = _embedding_forward if isinstance(module, nn.Embedding) else _linear_forward
+                module._logra_target = target
+                module.forward = types.MethodType(forward, module)
+
+    def remove(self) -> None:
+        """Restore the original forwards and make the weights trainable again."""
+        for target in self.targets.values():
+            target.weight.requires_grad_(True)
+            for module in target.modules:
+                del module.forward
+                del module._logra_target
+
+    def zero_(self) -> None:
+        """Zero every sketch (one fill of the shared buffer)."""
+        self.buffer.zero_()
+
+    @contextmanager
+    def probing(self, eps: torch.Tensor, directions: dict[str, torch.Tensor], decay: float) -> Iterator[None]:
+        """Within the block, every target computes ``W(ε) = (1 - ε·decay) W - ε D A``.
+
+        With a forward-mode dual ``eps`` (primal 0, tangent 1) the model's outputs are
+        unchanged and their tangents are the directional derivative along the proposal.
+        """
+        try:
+            for name, target in self.targets.items():
+                target._probe = (eps, directions[name], decay)
+            yield
+        finally:
+            for target in self.targets.values():
+                target._probe = None

@@ -1,0 +1,54 @@
+"""Tiny random models shared by the tests (built locally; nothing comes from a hub)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+torch.set_num_threads(2)
+
+
+def tiny_qwen2(seed: int = 0, tie: bool = False, vocab: int = 97, hidden: int = 32, layers: int = 2) -> Qwen2ForCausalLM:
+    """A 2-layer Qwen2 with biases on q/k/v, fp32, eager-friendly sizes."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 8, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=tie, pad_token_id=0,
+    )
+    return Qwen2ForCausalLM(cfg).float()
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    """A 2-layer Llama, fp32."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=89, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg).float()
+
+
+@pytest.fixture
+def qwen2() -> Qwen2ForCausalLM:
+    return tiny_qwen2()
+
+
+def token_batch(vocab: int, batch: int = 3, length: int = 12, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random ids (no pad id 0) with a ragged attention mask, labels = ids."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def checkpoint(model, reentrant: bool = False) -> None:
+    """Turn on HF activation checkpointing (the method was renamed in transformers 5)."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
