@@ -146,9 +146,11 @@ def test_zero_sketch_gives_zero_step():
     model = tiny_qwen2()
     opt = LoGRAOptimizer(model, LoGRAConfig(rank=4))
     before = copy.deepcopy(model.state_dict())
-    delta = opt.step()
+    proposal = opt.propose()
+    assert proposal.update_norm == 0
+    delta = opt.apply(proposal)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert opt.num_updates == 1 and delta is None or True
+    assert opt.num_updates == 1 and all(u.abs().sum() == 0 for u in delta.factors.values())
 
 
 # ---------------------------------------------------------------- resume and delta

@@ -173,9 +173,9 @@ def test_warm_start_masks_prompt_tokens():
     tok = byte_tokenizer()
     seqs, starts = _encode_demonstrations(tok, [("1 + 2 =", " 3"), ("10 + 20 =", " 30")], 32)
     ids, mask, labels = _collate(seqs, starts, tok.pad_token_id)
-    assert labels[0].tolist() == [-100] * 7 + [ord(" "), ord("3"), tok.eos_token_id] + [-100] * 2
+    assert labels[0].tolist() == [-100] * 7 + [ord(" "), ord("3"), tok.eos_token_id] + [-100] * 3
     assert labels[1].tolist() == [-100] * 9 + [ord(" "), ord("3"), ord("0"), tok.eos_token_id]
-    assert mask[0].tolist() == [1] * 10 + [0] * 2
+    assert mask[0].tolist() == [1] * 10 + [0] * 3
 
 
 # --- cache -----------------------------------------------------------------------------

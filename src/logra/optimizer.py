@@ -12,8 +12,8 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,10 +75,9 @@ class Proposal:
     _second_moments: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
     _clip: float = field(repr=False, default=1.0)
 
-    def forward(self, model: nn.Module, eps: torch.Tensor, **inputs: Any) -> Any:
-        """Run ``model(**inputs)`` at ``θ + ε·Δ`` (used by `predicted_kl` with a dual ``ε``)."""
-        with self._owner._sketches.probing(eps, self.directions, self.decay):
-            return model(**inputs)
+    def perturbed(self, eps: torch.Tensor) -> AbstractContextManager[None]:
+        """Within the block the model computes at ``θ + ε·Δ`` (a dual ``ε`` gives the tangent)."""
+        return self._owner._sketches.probing(eps, self.directions, self.decay)
 
 
 class LoGRAOptimizer(torch.optim.Optimizer):

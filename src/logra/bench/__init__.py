@@ -1,0 +1,1 @@
+"""Benchmarks behind `logra bench <name>`: each module has `main(argv)` and prints tables."""

@@ -1,0 +1,357 @@
+"""``logra bench memory``: peak training memory by category and step time, AdamW vs LoGRA.
+
+Every method trains the same randomly initialised Qwen2-architecture model (fp32
+weights, identical seed) on the same token batch. Each method runs in its own Python
+process (``python -m logra.bench.memory --worker METHOD ...``) so that allocator
+caches, peak RSS and CUDA peak statistics of one method never leak into another's.
+
+A worker builds the model and optimizer, takes one warm-up step (AdamW creates its
+moments lazily at its first step; afterwards every step is a steady-state step whose
+peak includes that state), then measures ``--repeats`` full steps (forward, backward,
+optimizer step, ``zero_grad``) inside `logra.memory.track_memory`. The parent prints
+one markdown table and the issue's targets as PASS/FAIL lines.
+
+Methods:
+    adamw: dense ``torch.optim.AdamW`` on every parameter (fp32 master weights).
+    logra-freeze: `LoGRAOptimizer` with ``non_target='freeze'`` (the paper's default).
+    logra-sketch: `LoGRAOptimizer` with ``non_target='sketch'`` (embeddings and lm_head
+        sketched too; norms and biases trained by a small AdamW).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from logra import LoGRAConfig, LoGRAOptimizer
+from logra.memory import CATEGORIES, GIB, track_memory
+
+#: Methods in table order; the first is the baseline the ratios refer to.
+METHODS: tuple[str, ...] = ("adamw", "logra-freeze", "logra-sketch")
+_BASELINE = "adamw"
+#: Targets of the issue: LoGRA over AdamW.
+PEAK_TARGET = 0.40
+TIME_TARGET = 0.85
+
+# A Qwen2.5-0.5B-like shape (hidden 1024, 24 layers, GQA 16/2) with a 32k vocabulary and
+# an untied lm_head: ~330 M fp32 parameters, which fits with AdamW in 24 GiB of host RAM.
+_FULL_SHAPE = {"hidden": 1024, "layers": 24, "heads": 16, "kv_heads": 2, "intermediate": 2816, "vocab": 32000}
+# --quick: small enough for a unit test, with parameters (not logits) dominating memory.
+_QUICK_SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 256}
+_QUICK_RUN = {"batch": 2, "seq": 16, "rank": 16, "repeats": 1}
+_FULL_RUN = {"batch": 2, "seq": 256, "rank": 256, "repeats": 3}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (``logra bench memory --help``)."""
+    p = argparse.ArgumentParser(
+        prog="logra bench memory",
+        description="Peak training memory by category and step time: dense AdamW vs LoGRA "
+        "(non_target='freeze' and 'sketch') on a random-init Qwen2-architecture model, one "
+        "process per method. Prints a markdown table and the targets "
+        f"(LoGRA peak <= {PEAK_TARGET} x AdamW, step time <= {TIME_TARGET} x AdamW).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    shape = p.add_argument_group("model (defaults: ~330M-parameter Qwen2.5-0.5B-like shape; --quick: tiny)")
+    shape.add_argument("--hidden", type=int, default=None, help=f"hidden size (default {_FULL_SHAPE['hidden']})")
+    shape.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {_FULL_SHAPE['layers']})")
+    shape.add_argument("--heads", type=int, default=None, help=f"attention heads (default {_FULL_SHAPE['heads']})")
+    shape.add_argument("--kv-heads", type=int, default=None, help=f"key/value heads (default {_FULL_SHAPE['kv_heads']})")
+    shape.add_argument("--intermediate", type=int, default=None,
+                       help=f"MLP intermediate size (default {_FULL_SHAPE['intermediate']})")
+    shape.add_argument("--vocab", type=int, default=None, help=f"vocabulary size (default {_FULL_SHAPE['vocab']})")
+    shape.add_argument("--tie", action="store_true", help="tie input embeddings and lm_head (Qwen2.5-0.5B/1.5B style)")
+    shape.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager"),
+                       help="transformers attention implementation")
+    run = p.add_argument_group("run")
+    run.add_argument("--batch", type=int, default=None, help=f"sequences per step (default {_FULL_RUN['batch']})")
+    run.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default {_FULL_RUN['seq']})")
+    run.add_argument("--rank", type=int, default=None, help=f"LoGRA rank r (default {_FULL_RUN['rank']})")
+    run.add_argument("--repeats", type=int, default=None,
+                     help=f"measured steps after the warm-up step (default {_FULL_RUN['repeats']})")
+    run.add_argument("--methods", default=",".join(METHODS),
+                     help=f"comma-separated subset of {','.join(METHODS)}")
+    run.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    run.add_argument("--autocast", "--dtype", dest="autocast", default="fp32", choices=("fp32", "bf16"),
+                     help="compute dtype; weights stay fp32. bf16 = torch.autocast, CUDA only")
+    run.add_argument("--adamw-impl", default="default", choices=("default", "foreach", "fused"),
+                     help="AdamW implementation of the baseline (default: torch's choice for the device)")
+    run.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
+    run.add_argument("--seed", type=int, default=0, help="seed of the model weights and the token batch")
+    run.add_argument("--quick", action="store_true",
+                     help="tiny model, batch 2 x 16 tokens, rank 16, 1 repeat (explicit options still win)")
+    run.add_argument("--out", type=Path, default=None, help="write the raw numbers of every method as JSON")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def _resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill unset shape/run options from the full or the --quick defaults."""
+    shape = _QUICK_SHAPE if args.quick else _FULL_SHAPE
+    run = _QUICK_RUN if args.quick else _FULL_RUN
+    for key, value in {**shape, **run}.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or not methods:
+        parser.error(f"--methods: unknown {unknown or 'empty list'}; choose from {', '.join(METHODS)}")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        parser.error("--hidden must be divisible by --heads, and --heads by --kv-heads")
+    for name in ("layers", "intermediate", "vocab", "batch", "seq", "rank", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.rank > min(args.hidden, args.intermediate):
+        parser.error(f"--rank {args.rank} exceeds the smallest input size of a target layer")
+    if args.autocast == "bf16" and torch.device(args.device).type != "cuda":
+        parser.error("--autocast bf16 is only measured on CUDA (CPU bf16 autocast is not what GPUs run)")
+    return methods
+
+
+def build_model(args: argparse.Namespace) -> nn.Module:
+    """The random-init Qwen2ForCausalLM of this run (fp32, seeded, on ``args.device``)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq, 128), tie_word_embeddings=args.tie,
+        attn_implementation=args.attn_implementation, use_cache=False,
+    )
+    torch.manual_seed(args.seed)
+    model = Qwen2ForCausalLM(cfg).float().to(args.device)
+    model.train()
+    return model
+
+
+def make_batch(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """``batch × seq`` random token ids (fixed seed), full attention, labels = ids."""
+    g = torch.Generator().manual_seed(args.seed + 1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    return {
+        "input_ids": ids.to(args.device),
+        "attention_mask": torch.ones_like(ids).to(args.device),
+        "labels": ids.clone().to(args.device),
+    }
+
+
+def build_optimizer(method: str, model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """The optimizer of ``method`` (LoGRA installs its sketches on ``model`` here)."""
+    if method == "adamw":
+        impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[args.adamw_impl]
+        # The paper's dense control: betas (0.9, 0.95), no weight decay.
+        return torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0, **impl)
+    non_target = {"logra-freeze": "freeze", "logra-sketch": "sketch"}[method]
+    return LoGRAOptimizer(model, LoGRAConfig(rank=args.rank, non_target=non_target))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
+                autocast: bool, device: torch.device) -> float:
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def _log(method: str, message: str) -> None:
+    print(f"[bench memory] {method}: {message}", file=sys.stderr, flush=True)
+
+
+def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], None] = _log) -> dict[str, Any]:
+    """Measure one method in this process; returns the raw numbers (bytes, seconds)."""
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    args.device = str(device)
+    autocast = args.autocast == "bf16"
+    t0 = time.perf_counter()
+    model = build_model(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(method, f"built model, {n_params / 1e6:.1f}M parameters ({time.perf_counter() - t0:.1f} s)")
+    batch = make_batch(args)
+    opt = build_optimizer(method, model, args)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    t0 = time.perf_counter()
+    loss = _train_step(model, opt, batch, autocast, device)
+    _sync(device)
+    log(method, f"warm-up step {time.perf_counter() - t0:.2f} s (loss {loss:.3f})")
+    gc.collect()
+
+    times: list[float] = []
+    losses: list[float] = []
+    with track_memory(model, opt, device=device) as report:
+        for i in range(args.repeats):
+            if i:
+                report.new_iteration()
+            _sync(device)
+            t0 = time.perf_counter()
+            losses.append(_train_step(model, opt, batch, autocast, device))
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            log(method, f"step {i + 1}/{args.repeats} {times[-1]:.2f} s")
+
+    result: dict[str, Any] = {
+        "method": method,
+        "params": n_params,
+        "trainable_params": trainable,
+        "peak_by_category": dict(report.peak_by_category),
+        "tracked_peak": report.peak_total,
+        "rss_peak": report.peak_rss,
+        "cuda_max_allocated": report.cuda_max_allocated,
+        "step_times": times,
+        "step_time_median": statistics.median(times),
+        "losses": losses,
+    }
+    if isinstance(opt, LoGRAOptimizer):
+        result["sketch_buffer_bytes"] = opt.sketch_buffer.numel() * opt.sketch_buffer.element_size()
+        result["sketch_rows"] = opt.sketch_buffer.shape[0]
+        result["dense_params"] = sum(p.numel() for p in opt.dense_parameters())
+        result["logra_state_bytes"] = {
+            cat: sum(t.numel() * t.element_size() for t in ts) for cat, ts in opt.memory_tensors().items()
+        }
+        result["targets"] = len(opt.targets)
+    return result
+
+
+def _worker_main(args: argparse.Namespace) -> int:
+    result = run_worker(args.worker, args)
+    if args.worker_out is None:
+        print(json.dumps(result))
+    else:
+        args.worker_out.write_text(json.dumps(result))
+    return 0
+
+
+def _spawn(method: str, argv: list[str]) -> dict[str, Any]:
+    """Run one method in a fresh interpreter and read back its JSON."""
+    with tempfile.TemporaryDirectory(prefix="logra-bench-memory-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "logra.bench.memory", *argv, "--worker", method, "--worker-out", str(out)]
+        # The worker logs to our stderr; its stdout (library chatter) must not mix into our table.
+        proc = subprocess.run(cmd, stdout=sys.stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"worker for {method!r} failed with exit code {proc.returncode}")
+        return json.loads(out.read_text())
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.3f}"
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    """The markdown table of measured results (ratios against the AdamW row, if present)."""
+    base = next((r for r in results if r["method"] == _BASELINE), None)
+    cuda = any(r.get("cuda_max_allocated") is not None for r in results)
+    cats = [c for c in CATEGORIES if c not in ("buffers", "other")]
+    head = ["method", "params (M)", "trainable (M)"] + [f"{c} (GiB)" for c in cats]
+    head += ["buffers+other (GiB)", "tracked peak (GiB)", "RSS peak (GiB)"]
+    if cuda:
+        head.append("CUDA max alloc (GiB)")
+    head += ["step time (s, median)", "peak / AdamW", "time / AdamW"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        pc = r["peak_by_category"]
+        row = [r["method"], f"{r['params'] / 1e6:.1f}", f"{r['trainable_params'] / 1e6:.1f}"]
+        row += [_gib(pc[c]) for c in cats]
+        row += [_gib(pc["buffers"] + pc["other"]), _gib(r["tracked_peak"]), _gib(r["rss_peak"])]
+        if cuda:
+            row.append(_gib(r["cuda_max_allocated"]) if r.get("cuda_max_allocated") is not None else "-")
+        row.append(f"{r['step_time_median']:.2f}")
+        if base is not None:
+            row += [f"{r['tracked_peak'] / base['tracked_peak']:.3f}",
+                    f"{r['step_time_median'] / base['step_time_median']:.3f}"]
+        else:
+            row += ["-", "-"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def target_lines(results: list[dict[str, Any]]) -> list[str]:
+    """PASS/FAIL lines of the issue's targets for every LoGRA row (needs the AdamW row)."""
+    base = next((r for r in results if r["method"] == _BASELINE), None)
+    if base is None:
+        return ["(targets not evaluated: no adamw row to compare against)"]
+    lines = []
+    for r in results:
+        if r["method"] == _BASELINE:
+            continue
+        checks = [(f"LoGRA peak memory ≤ {PEAK_TARGET:.2f} × AdamW's (tracked peak)",
+                   r["tracked_peak"] / base["tracked_peak"], PEAK_TARGET)]
+        if r.get("cuda_max_allocated") is not None and base.get("cuda_max_allocated"):
+            checks.append((f"LoGRA peak memory ≤ {PEAK_TARGET:.2f} × AdamW's (CUDA max allocated)",
+                           r["cuda_max_allocated"] / base["cuda_max_allocated"], PEAK_TARGET))
+        checks.append((f"LoGRA step time ≤ {TIME_TARGET:.2f} × AdamW's",
+                       r["step_time_median"] / base["step_time_median"], TIME_TARGET))
+        for text, ratio, limit in checks:
+            lines.append(f"{'PASS' if ratio <= limit else 'FAIL'} [{r['method']}] {text}: measured {ratio:.3f}×")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``logra bench memory``: spawn one worker per method, print the table and targets."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = _resolve(parser.parse_args(argv))
+    methods = _validate(parser, args)
+    if args.worker is not None:
+        return _worker_main(args)
+
+    # Workers get the fully resolved options, so they cannot disagree with this table.
+    worker_argv = [
+        "--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
+        "--kv-heads", str(args.kv_heads), "--intermediate", str(args.intermediate), "--vocab", str(args.vocab),
+        "--attn-implementation", args.attn_implementation, "--batch", str(args.batch), "--seq", str(args.seq),
+        "--rank", str(args.rank), "--repeats", str(args.repeats), "--device", args.device,
+        "--autocast", args.autocast, "--adamw-impl", args.adamw_impl, "--threads", str(args.threads),
+        "--seed", str(args.seed),
+    ] + (["--tie"] if args.tie else [])
+    results = []
+    for method in methods:
+        _log(method, "starting worker process")
+        results.append(_spawn(method, worker_argv))
+
+    setup = (f"Qwen2 random init, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
+             f"intermediate {args.intermediate}, vocab {args.vocab}{' (tied)' if args.tie else ''}, fp32 weights; "
+             f"batch {args.batch} × {args.seq} tokens; rank {args.rank}; compute {args.autocast}; "
+             f"device {args.device}; {args.threads} thread(s); 1 warm-up + {args.repeats} measured step(s) per method, "
+             "one process per method.")
+    print(f"## LoGRA vs AdamW: peak memory by category and step time\n\n{setup}\n")
+    print(format_table(results))
+    print()
+    print("\n".join(target_lines(results)))
+    if args.out is not None:
+        payload = {"setup": {k: v for k, v in vars(args).items() if k not in ("out", "worker", "worker_out")},
+                   "results": results}
+        args.out.write_text(json.dumps(payload, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

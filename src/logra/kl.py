@@ -1,0 +1,299 @@
+"""Predicted-KL step control: size every update before it is applied.
+
+For a proposed displacement ``Δθ`` (LoGRA's ``ΔW = -D A`` per target, or any dense
+optimizer's step), one forward-mode AD pass gives the logits' directional derivative
+``δz``; the softmax Fisher quadratic ``½ Σ_v p_v (d_v - Σ_u p_u d_u)²`` with ``d = δz/T``
+is the second-order KL between the policies before and after the step. A
+`KLController` turns it into a scale ``α`` that meets a (scheduled) KL budget.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import nn
+
+from .errors import KLPredictionError, NonFiniteSketchError
+
+
+class Displacement(Protocol):
+    """A proposed parameter change ``Δθ`` that can be evaluated along ``θ + ε·Δθ``."""
+
+    def perturbed(self, eps: torch.Tensor) -> AbstractContextManager[None]:
+        """Within the block the model computes at ``θ + ε·Δθ``."""
+        ...
+
+
+# ----------------------------------------------------------------------- probing
+def _probe_positions(response_mask: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    """Boolean ``[B, L]`` mask of positions whose next-token distribution made a response token."""
+    pos = torch.zeros_like(response_mask, dtype=torch.bool)
+    pos[:, :-1] = response_mask[:, 1:].bool()
+    if max_tokens is not None and int(pos.sum()) > max_tokens:
+        keep = pos.flatten().cumsum(0) <= max_tokens
+        pos = pos & keep.view_as(pos)
+    if not pos.any():
+        raise KLPredictionError("the response mask selects no positions to probe")
+    return pos
+
+
+@contextmanager
+def _probe_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode and eager attention (SDPA kernels lack forward AD); restored afterwards."""
+    was_training = model.training
+    config = getattr(model, "config", None)
+    attn = getattr(config, "_attn_implementation", None)
+    try:
+        model.eval()
+        if attn not in (None, "eager"):
+            model.set_attn_implementation("eager")
+        yield
+    finally:
+        if attn not in (None, "eager"):
+            model.set_attn_implementation(attn)
+        model.train(was_training)
+
+
+def _hidden_and_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    """Final hidden states and the output head, so logits can be formed chunk by chunk."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    base = getattr(model, "base_model", None)
+    if head is None or base is None or base is model:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return logits, nn.Identity()
+    return base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state, head
+
+
+def _trim(input_ids, attention_mask, positions):
+    """Drop sequences without probe positions and columns after the last one (causal)."""
+    rows = positions.any(dim=1)
+    last = int(positions.nonzero()[:, 1].max()) + 1
+    ids = input_ids[rows, :last]
+    mask = attention_mask[rows, :last] if attention_mask is not None else None
+    return ids, mask, positions[rows, :last]
+
+
+def predicted_kl(
+    model: nn.Module,
+    proposal: Displacement,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+    max_tokens: int = 4096,
+    chunk: int = 64,
+) -> float:
+    """Second-order KL(π_θ ‖ π_θ+Δθ) of ``proposal``, averaged over response positions.
+
+    One forward-mode AD pass with every parameter perturbed along its proposed change
+    gives the logits' tangent ``δz`` without changing any weight; the softmax Fisher
+    quadratic is evaluated in float64, ``chunk`` positions at a time. Only positions
+    that generated a ``response_mask`` token count (prompt and padding do not), the
+    first ``max_tokens`` of them. The model's train/eval mode and attention
+    implementation are restored afterwards.
+
+    Raises:
+        KLPredictionError: empty response mask, or a non-finite or negative prediction.
+    """
+    positions = _probe_positions(response_mask, max_tokens)
+    ids, mask, positions = _trim(input_ids, attention_mask, positions)
+    device = ids.device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    with _probe_mode(model), torch.no_grad(), fwAD.dual_level():
+        eps = fwAD.make_dual(torch.zeros((), device=device), torch.ones((), device=device))
+        with proposal.perturbed(eps):
+            hidden, head = _hidden_and_head(model, ids, mask)
+            selected = hidden[positions]
+            for start in range(0, selected.shape[0], chunk):
+                primal, tangent = fwAD.unpack_dual(head(selected[start: start + chunk]))
+                if tangent is None:  # nothing depends on the displacement
+                    continue
+                z = primal.double() / temperature
+                d = tangent.double() / temperature
+                p = torch.softmax(z, dim=-1)
+                centred = d - (p * d).sum(-1, keepdim=True)
+                total += 0.5 * (p * centred.square()).sum()
+    value = float(total) / int(positions.sum())
+    if not math.isfinite(value) or value < 0:
+        raise KLPredictionError(f"predicted KL is {value}; refusing an uncontrolled step")
+    return value
+
+
+@torch.no_grad()
+def probe_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    max_tokens: int = 4096,
+) -> torch.Tensor:
+    """Logits ``[n, vocab]`` (fp32) at the probe positions `predicted_kl` uses (eval mode)."""
+    positions = _probe_positions(response_mask, max_tokens)
+    ids, mask, positions = _trim(input_ids, attention_mask, positions)
+    with _probe_mode(model):
+        hidden, head = _hidden_and_head(model, ids, mask)
+        return head(hidden[positions]).float()
+
+
+def realized_kl(logits_before: torch.Tensor, logits_after: torch.Tensor, temperature: float = 1.0) -> float:
+    """Exact mean KL(before ‖ after) over rows of `probe_logits` taken before and after a step."""
+    lp = torch.log_softmax(logits_before.double() / temperature, dim=-1)
+    lq = torch.log_softmax(logits_after.double() / temperature, dim=-1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+# ----------------------------------------------------------------------- dense proposals
+class DenseProposal:
+    """The displacement of any dense optimizer's step, so the same controller can scale it.
+
+    `from_optimizer` takes one real ``optimizer.step()`` (so the learning rate,
+    moments, preconditioning and weight decay are all included), records
+    ``Δθ = θ_after - θ_before`` and puts the weights back; `apply` then sets
+    ``θ = θ_before + α·Δθ``. The optimizer's internal state (moments) has advanced by
+    that step, which is right for any ``α``: Adam's moments do not depend on the step
+    size. Works for AdamW, LoRA adapters (``Δθ`` of the adapter weights), SGD, ...
+
+    Attributes:
+        model: the model whose parameters are displaced.
+        displacements: parameter → its ``Δθ`` (parameters that did not move are left out).
+    """
+
+    def __init__(self, model: nn.Module, displacements: dict[nn.Parameter, torch.Tensor]) -> None:
+        self.model = model
+        self.displacements = displacements
+        self._applied = False
+
+    @classmethod
+    @torch.no_grad()
+    def from_optimizer(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> DenseProposal:
+        """Step ``optimizer`` once, record the displacement, restore the weights.
+
+        Raises:
+            NonFiniteSketchError: a gradient is NaN/Inf (nothing was stepped).
+        """
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not all(torch.isfinite(p.grad).all() for p in params if p.grad is not None):
+            raise NonFiniteSketchError("non-finite gradient; the optimizer was not stepped")
+        before = [p.detach().clone() for p in params]
+        optimizer.step()
+        displacements = {}
+        for p, old in zip(params, before):
+            delta = p.detach() - old
+            p.copy_(old)
+            if delta.any():
+                displacements[p] = delta
+        return cls(model, displacements)
+
+    @contextmanager
+    def perturbed(self, eps: torch.Tensor) -> Iterator[None]:
+        """Swap each displaced parameter for ``θ + ε·Δθ`` in every module that holds it."""
+        swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+        try:
+            for module in self.model.modules():
+                for name, p in list(module._parameters.items()):
+                    if p is not None and p in self.displacements:
+                        swapped.append((module, name, p))
+                        del module._parameters[name]
+                        setattr(module, name, p.detach() + eps * self.displacements[p])
+            yield
+        finally:
+            for module, name, p in swapped:
+                delattr(module, name)
+                module._parameters[name] = p
+
+    @torch.no_grad()
+    def apply(self, alpha: float = 1.0) -> None:
+        """``θ ← θ + α·Δθ`` (once)."""
+        if self._applied:
+            raise RuntimeError("this DenseProposal was already applied")
+        if not (math.isfinite(alpha) and alpha >= 0):
+            raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
+        for p, delta in self.displacements.items():
+            p.add_(delta, alpha=alpha)
+        self._applied = True
+
+
+# ----------------------------------------------------------------------- the controller
+class KLController:
+    """Scale each update so its predicted KL meets a budget (spec §5).
+
+    The budget follows a cosine (or constant) schedule from ``budget`` to
+    ``budget_final`` over ``schedule_steps`` updates. The observed KL between the rollout
+    policy and the trainer policy (an EMA with weight ``mismatch_ema``, clipped at 0) is
+    subtracted from it, but never below ``mismatch_floor`` × the budget. The scale is
+    ``α = min(alpha_max, sqrt(B_eff / KL̂))`` and 1 when ``KL̂ = 0``.
+    """
+
+    def __init__(
+        self,
+        budget: float = 2e-4,
+        budget_final: float = 2e-5,
+        schedule_steps: int = 300,
+        schedule: str = "cosine",
+        alpha_max: float = 3.0,
+        mismatch_ema: float = 0.3,
+        mismatch_floor: float = 0.5,
+    ) -> None:
+        if schedule not in ("cosine", "constant"):
+            raise ValueError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
+        if budget <= 0 or budget_final <= 0 or alpha_max <= 0 or schedule_steps < 1:
+            raise ValueError("budgets, alpha_max and schedule_steps must be positive")
+        if not 0 < mismatch_ema <= 1 or not 0 <= mismatch_floor <= 1:
+            raise ValueError("mismatch_ema must be in (0, 1] and mismatch_floor in [0, 1]")
+        self.budget, self.budget_final, self.schedule_steps = budget, budget_final, schedule_steps
+        self.schedule, self.alpha_max = schedule, alpha_max
+        self.mismatch_ema, self.mismatch_floor = mismatch_ema, mismatch_floor
+        self.mismatch = 0.0
+        self.last: dict[str, float] = {}
+
+    def budget_at(self, step: int) -> float:
+        """The scheduled budget ``B`` at update ``step`` (before mismatch subtraction)."""
+        if self.schedule == "constant":
+            return self.budget
+        frac = min(step / self.schedule_steps, 1.0)
+        return self.budget_final + (self.budget - self.budget_final) * 0.5 * (1 + math.cos(math.pi * frac))
+
+    def effective_budget(self, step: int) -> float:
+        """``max(B - m, floor·B)`` with ``m`` the mismatch EMA."""
+        b = self.budget_at(step)
+        return max(b - self.mismatch, self.mismatch_floor * b)
+
+    def scale(self, predicted_kl: float, step: int) -> float:
+        """The step scale ``α`` for a proposal whose full-size predicted KL is ``predicted_kl``.
+
+        Raises:
+            KLPredictionError: ``predicted_kl`` is non-finite or negative.
+        """
+        if not math.isfinite(predicted_kl) or predicted_kl < 0:
+            raise KLPredictionError(f"predicted KL is {predicted_kl}; refusing an uncontrolled step")
+        b = self.effective_budget(step)
+        alpha = 1.0 if predicted_kl == 0 else min(self.alpha_max, math.sqrt(b / predicted_kl))
+        self.last = {
+            "predicted_kl": predicted_kl, "alpha": alpha, "budget": self.budget_at(step),
+            "effective_budget": b, "expected_kl": predicted_kl * alpha**2, "mismatch": self.mismatch,
+        }
+        return alpha
+
+    def observe_mismatch(self, kl: float) -> None:
+        """Feed the observed rollout-vs-trainer KL of completed responses (clipped at 0)."""
+        if not math.isfinite(kl):
+            return
+        self.mismatch = (1 - self.mismatch_ema) * self.mismatch + self.mismatch_ema * max(kl, 0.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The controller's state (its settings and the mismatch EMA)."""
+        return {
+            "budget": self.budget, "budget_final": self.budget_final, "schedule_steps": self.schedule_steps,
+            "schedule": self.schedule, "alpha_max": self.alpha_max, "mismatch_ema": self.mismatch_ema,
+            "mismatch_floor": self.mismatch_floor, "mismatch": self.mismatch,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict`."""
+        for key, value in state.items():
+            setattr(self, key, value)
