@@ -62,7 +62,7 @@ def _probe_mode(model: nn.Module) -> Iterator[None]:
 def _hidden_and_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
     """Final hidden states and the output head, so logits can be formed chunk by chunk."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    base = getattr(model, "base_model", None)
+    base = model.get_decoder() if hasattr(model, "get_decoder") else None
     if head is None or base is None or base is model:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         return logits, nn.Identity()

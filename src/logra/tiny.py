@@ -337,7 +337,7 @@ def warm_start(
     model.train()
     losses: list[float] = []
     t0 = time.perf_counter()
-    bar = tqdm(range(steps), desc="warm start (SFT)", disable=not progress, leave=False)
+    bar = tqdm(range(steps), desc="warm start (SFT)", disable=not progress)
     for _ in bar:
         batch_idx = []
         while len(batch_idx) < config.sft_batch_size:
@@ -397,7 +397,7 @@ def load_or_warm_start(
     info_path = path / _INFO_FILE
     if info_path.is_file():
         model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
-        tokenizer = byte_tokenizer()
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
         model.eval()
         info = json.loads(info_path.read_text())
         info.update(cache_hit=True, path=str(path))

@@ -7,9 +7,17 @@ caches, peak RSS and CUDA peak statistics of one method never leak into another'
 
 A worker builds the model and optimizer, takes one warm-up step (AdamW creates its
 moments lazily at its first step; afterwards every step is a steady-state step whose
-peak includes that state), then measures ``--repeats`` full steps (forward, backward,
-optimizer step, ``zero_grad``) inside `logra.memory.track_memory`. The parent prints
-one markdown table and the issue's targets as PASS/FAIL lines.
+peak includes that state), then
+
+1. times ``--repeats`` full steps (forward, backward, optimizer step, ``zero_grad``)
+   with ``time.perf_counter``, untracked: MemTracker is a ``TorchDispatchMode`` whose
+   per-op bookkeeping costs differ between methods (LoGRA's step issues many more
+   small ops than a dense AdamW step), so tracked steps would not time the method;
+2. runs ``--memory-repeats`` (default: ``--repeats``) full steps inside
+   `logra.memory.track_memory` for the peak by category (their times are kept in the
+   JSON as ``tracked_step_times``).
+
+The parent prints one markdown table and the issue's targets as PASS/FAIL lines.
 
 Methods:
     adamw: dense ``torch.optim.AdamW`` on every parameter (fp32 master weights).
@@ -63,7 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(non_target='freeze' and 'sketch') on a random-init Qwen2-architecture model, one "
         "process per method. Prints a markdown table and the targets "
         f"(LoGRA peak <= {PEAK_TARGET} x AdamW, step time <= {TIME_TARGET} x AdamW).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     shape = p.add_argument_group("model (defaults: ~330M-parameter Qwen2.5-0.5B-like shape; --quick: tiny)")
     shape.add_argument("--hidden", type=int, default=None, help=f"hidden size (default {_FULL_SHAPE['hidden']})")
@@ -75,22 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--vocab", type=int, default=None, help=f"vocabulary size (default {_FULL_SHAPE['vocab']})")
     shape.add_argument("--tie", action="store_true", help="tie input embeddings and lm_head (Qwen2.5-0.5B/1.5B style)")
     shape.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager"),
-                       help="transformers attention implementation")
+                       help="transformers attention implementation (default sdpa)")
     run = p.add_argument_group("run")
     run.add_argument("--batch", type=int, default=None, help=f"sequences per step (default {_FULL_RUN['batch']})")
     run.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default {_FULL_RUN['seq']})")
     run.add_argument("--rank", type=int, default=None, help=f"LoGRA rank r (default {_FULL_RUN['rank']})")
     run.add_argument("--repeats", type=int, default=None,
-                     help=f"measured steps after the warm-up step (default {_FULL_RUN['repeats']})")
+                     help=f"timed (untracked) steps after the warm-up step (default {_FULL_RUN['repeats']})")
+    run.add_argument("--memory-repeats", type=int, default=None,
+                     help="steps measured under the memory tracker (default: --repeats)")
     run.add_argument("--methods", default=",".join(METHODS),
-                     help=f"comma-separated subset of {','.join(METHODS)}")
-    run.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+                     help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
+    run.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     run.add_argument("--autocast", "--dtype", dest="autocast", default="fp32", choices=("fp32", "bf16"),
-                     help="compute dtype; weights stay fp32. bf16 = torch.autocast, CUDA only")
+                     help="compute dtype; weights stay fp32. bf16 = torch.autocast, CUDA only (default fp32)")
     run.add_argument("--adamw-impl", default="default", choices=("default", "foreach", "fused"),
-                     help="AdamW implementation of the baseline (default: torch's choice for the device)")
-    run.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
-    run.add_argument("--seed", type=int, default=0, help="seed of the model weights and the token batch")
+                     help="AdamW implementation of the baseline (default: torch's choice for the device: "
+                     "a per-tensor loop on CPU, foreach on CUDA)")
+    run.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker (default 1: the CPUs are shared)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the model weights and the token batch (default 0)")
     run.add_argument("--quick", action="store_true",
                      help="tiny model, batch 2 x 16 tokens, rank 16, 1 repeat (explicit options still win)")
     run.add_argument("--out", type=Path, default=None, help="write the raw numbers of every method as JSON")
@@ -106,6 +116,8 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
     for key, value in {**shape, **run}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.memory_repeats is None:
+        args.memory_repeats = args.repeats
     return args
 
 
@@ -116,7 +128,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list
         parser.error(f"--methods: unknown {unknown or 'empty list'}; choose from {', '.join(METHODS)}")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         parser.error("--hidden must be divisible by --heads, and --heads by --kv-heads")
-    for name in ("layers", "intermediate", "vocab", "batch", "seq", "rank", "repeats", "threads"):
+    for name in ("layers", "intermediate", "vocab", "batch", "seq", "rank", "repeats", "memory_repeats", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.rank > min(args.hidden, args.intermediate):
@@ -169,13 +181,20 @@ def _sync(device: torch.device) -> None:
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
-                autocast: bool, device: torch.device) -> float:
+                autocast: bool, device: torch.device) -> tuple[float, float, float]:
+    """One full step; returns (loss, forward+backward seconds, optimizer step + zero_grad seconds)."""
+    _sync(device)
+    t0 = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         loss = model(**batch).loss
     loss.backward()
+    _sync(device)
+    t1 = time.perf_counter()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(loss.detach())
+    _sync(device)
+    t2 = time.perf_counter()
+    return float(loss.detach()), t1 - t0, t2 - t1
 
 
 def _log(method: str, message: str) -> None:
@@ -198,24 +217,31 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
     opt = build_optimizer(method, model, args)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    t0 = time.perf_counter()
-    loss = _train_step(model, opt, batch, autocast, device)
-    _sync(device)
-    log(method, f"warm-up step {time.perf_counter() - t0:.2f} s (loss {loss:.3f})")
+    loss, fb, st = _train_step(model, opt, batch, autocast, device)
+    log(method, f"warm-up step {fb + st:.2f} s (loss {loss:.3f})")
     gc.collect()
 
     times: list[float] = []
+    phases: list[tuple[float, float]] = []
     losses: list[float] = []
+    for i in range(args.repeats):
+        loss, fb, st = _train_step(model, opt, batch, autocast, device)
+        losses.append(loss)
+        times.append(fb + st)
+        phases.append((fb, st))
+        log(method, f"timed step {i + 1}/{args.repeats} {fb + st:.2f} s (forward+backward {fb:.2f} s, "
+                    f"optimizer {st:.2f} s)")
+    gc.collect()
+
+    tracked_times: list[float] = []
     with track_memory(model, opt, device=device) as report:
-        for i in range(args.repeats):
+        for i in range(args.memory_repeats):
             if i:
                 report.new_iteration()
-            _sync(device)
-            t0 = time.perf_counter()
-            losses.append(_train_step(model, opt, batch, autocast, device))
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-            log(method, f"step {i + 1}/{args.repeats} {times[-1]:.2f} s")
+            loss, fb, st = _train_step(model, opt, batch, autocast, device)
+            losses.append(loss)
+            tracked_times.append(fb + st)
+            log(method, f"tracked step {i + 1}/{args.memory_repeats} {fb + st:.2f} s")
 
     result: dict[str, Any] = {
         "method": method,
@@ -227,6 +253,9 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
         "cuda_max_allocated": report.cuda_max_allocated,
         "step_times": times,
         "step_time_median": statistics.median(times),
+        "forward_backward_median": statistics.median(p[0] for p in phases),
+        "optimizer_step_median": statistics.median(p[1] for p in phases),
+        "tracked_step_times": tracked_times,
         "losses": losses,
     }
     if isinstance(opt, LoGRAOptimizer):
@@ -254,36 +283,50 @@ def _spawn(method: str, argv: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="logra-bench-memory-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "logra.bench.memory", *argv, "--worker", method, "--worker-out", str(out)]
-        # The worker logs to our stderr; its stdout (library chatter) must not mix into our table.
-        proc = subprocess.run(cmd, stdout=sys.stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
+        # Everything the worker prints (progress, library chatter) is relayed line by line to
+        # our sys.stderr, so the table on stdout stays clean and captured stderr still works.
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stderr.write(line)
+                sys.stderr.flush()
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"worker for {method!r} failed with exit code {proc.returncode}")
         return json.loads(out.read_text())
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:.3f}"
+def _unit(results: list[dict[str, Any]]) -> tuple[str, int]:
+    # GiB for real models; MiB keeps --quick's figures readable.
+    largest = max(max(r["tracked_peak"], r["rss_peak"]) for r in results)
+    return ("GiB", GIB) if largest >= GIB else ("MiB", 1024**2)
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
     """The markdown table of measured results (ratios against the AdamW row, if present)."""
     base = next((r for r in results if r["method"] == _BASELINE), None)
     cuda = any(r.get("cuda_max_allocated") is not None for r in results)
+    unit, div = _unit(results)
+
+    def fmt(nbytes: float) -> str:
+        return f"{nbytes / div:.3f}"
+
     cats = [c for c in CATEGORIES if c not in ("buffers", "other")]
-    head = ["method", "params (M)", "trainable (M)"] + [f"{c} (GiB)" for c in cats]
-    head += ["buffers+other (GiB)", "tracked peak (GiB)", "RSS peak (GiB)"]
+    head = ["method", "params (M)", "trainable (M)"] + [f"{c} ({unit})" for c in cats]
+    head += [f"buffers+other ({unit})", f"tracked peak ({unit})", f"RSS peak ({unit})"]
     if cuda:
-        head.append("CUDA max alloc (GiB)")
-    head += ["step time (s, median)", "peak / AdamW", "time / AdamW"]
+        head.append(f"CUDA max alloc ({unit})")
+    head += ["step time (s, median [min–max])", "fwd+bwd / opt (s)", "peak / AdamW", "time / AdamW"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         pc = r["peak_by_category"]
-        row = [r["method"], f"{r['params'] / 1e6:.1f}", f"{r['trainable_params'] / 1e6:.1f}"]
-        row += [_gib(pc[c]) for c in cats]
-        row += [_gib(pc["buffers"] + pc["other"]), _gib(r["tracked_peak"]), _gib(r["rss_peak"])]
+        row = [r["method"], f"{r['params'] / 1e6:.2f}", f"{r['trainable_params'] / 1e6:.2f}"]
+        row += [fmt(pc[c]) for c in cats]
+        row += [fmt(pc["buffers"] + pc["other"]), fmt(r["tracked_peak"]), fmt(r["rss_peak"])]
         if cuda:
-            row.append(_gib(r["cuda_max_allocated"]) if r.get("cuda_max_allocated") is not None else "-")
-        row.append(f"{r['step_time_median']:.2f}")
+            row.append(fmt(r["cuda_max_allocated"]) if r.get("cuda_max_allocated") is not None else "-")
+        row.append(f"{r['step_time_median']:.2f} [{min(r['step_times']):.2f}–{max(r['step_times']):.2f}]")
+        row.append(f"{r['forward_backward_median']:.2f} / {r['optimizer_step_median']:.2f}")
         if base is not None:
             row += [f"{r['tracked_peak'] / base['tracked_peak']:.3f}",
                     f"{r['step_time_median'] / base['step_time_median']:.3f}"]
@@ -328,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         "--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
         "--kv-heads", str(args.kv_heads), "--intermediate", str(args.intermediate), "--vocab", str(args.vocab),
         "--attn-implementation", args.attn_implementation, "--batch", str(args.batch), "--seq", str(args.seq),
-        "--rank", str(args.rank), "--repeats", str(args.repeats), "--device", args.device,
+        "--rank", str(args.rank), "--repeats", str(args.repeats), "--memory-repeats", str(args.memory_repeats),
+        "--device", args.device,
         "--autocast", args.autocast, "--adamw-impl", args.adamw_impl, "--threads", str(args.threads),
         "--seed", str(args.seed),
     ] + (["--tie"] if args.tie else [])
@@ -340,8 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     setup = (f"Qwen2 random init, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
              f"intermediate {args.intermediate}, vocab {args.vocab}{' (tied)' if args.tie else ''}, fp32 weights; "
              f"batch {args.batch} × {args.seq} tokens; rank {args.rank}; compute {args.autocast}; "
-             f"device {args.device}; {args.threads} thread(s); 1 warm-up + {args.repeats} measured step(s) per method, "
-             "one process per method.")
+             f"device {args.device}; {args.threads} thread(s); 1 warm-up + {args.repeats} timed + "
+             f"{args.memory_repeats} memory-tracked step(s) per method, one process per method. Step time: "
+             "median of the untracked steps; 'fwd+bwd / opt' splits it into forward+backward and "
+             "optimizer step+zero_grad (medians).")
     print(f"## LoGRA vs AdamW: peak memory by category and step time\n\n{setup}\n")
     print(format_table(results))
     print()

@@ -1,0 +1,254 @@
+"""TRL's ``GRPOTrainer`` with LoGRA as its optimizer.
+
+`LoGRAGRPOTrainer` is a ``trl.GRPOTrainer`` subclass. TRL keeps doing everything it
+does — generation, rewards, advantages, its loss, gradient accumulation, logging,
+checkpoints — and LoGRA replaces only the optimizer::
+
+    from logra import LoGRAConfig, KLController
+    from logra.integrations.trl import LoGRAGRPOTrainer
+
+    trainer = LoGRAGRPOTrainer(
+        model="path/to/model", reward_funcs=reward, args=GRPOConfig(..., max_grad_norm=0.0),
+        train_dataset=dataset, logra_config=LoGRAConfig(rank=256), kl_controller=KLController(),
+    )
+    trainer.train()                                  # or train(resume_from_checkpoint=...)
+
+How it hooks in (TRL 1.x / transformers 5.x):
+
+- ``create_optimizer`` returns a `KLControlledLoGRA` built on ``self.model``: the
+  sketches are installed on the model TRL trains, before accelerate wraps the optimizer.
+  HF's loop calls ``AcceleratedOptimizer.step()`` → ``KLControlledLoGRA.step()``,
+  which is propose → predicted KL → α → apply.
+- ``compute_loss`` records the probe (the first ``probe_responses`` completions of the
+  micro-batch TRL just computed the loss on, prompt + completion, the completion mask
+  as response mask) before running TRL's own loss, unchanged. The last micro-batch of
+  an accumulation window is the probe of that window's step.
+- After each step the LoGRA statistics go into TRL's metrics dict, so they are
+  averaged and logged with TRL's own keys: ``logra/predicted_kl``, ``logra/alpha``,
+  ``logra/budget``, ``logra/effective_budget``, ``logra/expected_kl``,
+  ``logra/realized_kl``, ``logra/sketch_norm``, ``logra/update_norm``. TRL's
+  ``grad_norm`` is the norm of the sketched gradient ``sqrt(Σ‖S A‖² + Σ‖g_dense‖²)``
+  (the quantity ``LoGRAConfig.max_grad_norm`` clips), since the sketched weights have
+  no ``.grad`` for HF to measure.
+- Checkpoints: HF saves ``optimizer.state_dict()`` to ``optimizer.pt``; the LoGRA
+  state (update count, RowAdam second moments, non-target AdamW state, KL controller)
+  is in it, and ``train(resume_from_checkpoint=...)`` restores it. Projections are
+  rebuilt from the seeds.
+
+Keep the weights in fp32 (TRL's default ``model_init_kwargs`` dtype) and use
+``bf16=True`` for bf16 compute: updates of size ``update_ratio·‖W‖`` merged into bf16
+weights are rounded away (LoGRA warns). Rollouts come from the weights being trained,
+so the controller's rollout/trainer mismatch term stays 0 under TRL.
+
+Conflicts with TRL / HF Trainer and how they are handled:
+
+- ``max_grad_norm`` > 0 (HF's default is 1.0): HF would clip ``.grad`` of the dense
+  parameters alone, separately from the sketched gradient. It is set to 0 with a
+  warning; clip with ``LoGRAConfig(max_grad_norm=...)``, which clips the sketched and
+  dense gradients by their joint norm.
+- ``learning_rate`` / ``lr_scheduler_type`` / warmup: in the default update-ratio mode
+  the step size is ``update_ratio · ‖W‖`` and then the KL controller's budget schedule
+  (``budget`` → ``budget_final`` over ``schedule_steps``) sizes every step, so HF's
+  learning-rate schedule does not move the sketched weights. HF's scheduler still runs
+  on the optimizer's param groups: it scales ``LoGRAConfig.lr`` (used only with
+  ``update_ratio=None``) and ``LoGRAConfig.non_target_lr`` (the AdamW of non-target
+  parameters, ``non_target='adamw'``). ``args.learning_rate`` is not used (a warning
+  says so when it was changed from TRL's default); TRL's logged ``learning_rate`` is
+  that scheduled ``LoGRAConfig.lr``.
+- ``optimizers=(optimizer, ...)``, ``peft_config``: refused — LoGRA is the optimizer
+  and replaces LoRA. A scheduler alone may be passed. ``args.optim`` / ``adam_*`` are
+  not used.
+- ``use_vllm=True``: refused. TRL pushes the full weights to vLLM after every step;
+  that path is untested with LoGRA, and shipping full weights discards what LoGRA's
+  `PolicyDelta` (``U`` factors + seeds) saves. Rollouts in other processes: `logra.sync`
+  ships ``trainer.logra_optimizer.last_delta``.
+- More than one process (DDP, DeepSpeed, FSDP): refused. The sketched weights have no
+  ``.grad``, so DDP's gradient all-reduce never sees the sketches; data-parallel LoGRA
+  all-reduces the ``[Σ out, r]`` sketch buffer instead
+  (`logra.distributed.allreduce_sketches`).
+- Multimodal batches: the KL probe feeds token ids only, so it refuses images; pass
+  ``kl_control=False`` there.
+- ``fp16=True``: refused. accelerate's GradScaler unscales ``.grad`` only, so the loss
+  scale would stay in the sketches; use ``bf16=True`` (autocast, no scaler).
+- ``LoGRAConfig(non_target='sketch')``: refused. TRL's fused LM head multiplies by
+  ``lm_head.weight`` directly, bypassing the sketched ``lm_head`` forward, so the
+  head's gradient would be lost silently. Use ``'freeze'`` (paper) or ``'adamw'``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from trl import GRPOConfig, GRPOTrainer
+
+from ..config import LoGRAConfig
+from ..kl import KLController
+from ..optimizer import sketch_update_sq_norm
+from . import STAT_KEYS, KLControlledLoGRA
+
+__all__ = ["LoGRAGRPOTrainer"]
+
+_TRL_DEFAULT_LR = GRPOConfig.__dataclass_fields__["learning_rate"].default
+
+
+def _check_args(args: GRPOConfig, logra_config: LoGRAConfig) -> None:
+    """Refuse settings that cannot work with LoGRA, fix ``max_grad_norm`` with a warning."""
+    if args.use_vllm:
+        raise ValueError(
+            "LoGRAGRPOTrainer does not support use_vllm=True: TRL pushes the full weights to vLLM after every "
+            "step, a path untested with LoGRA that also throws away what LoGRA's small per-update PolicyDelta "
+            "saves. Set use_vllm=False (TRL generates with transformers on the trained weights). For rollouts in "
+            "separate processes, logra.sync (PolicyPublisher / RolloutWorker) ships each step's PolicyDelta "
+            "(trainer.logra_optimizer.last_delta).")
+    if args.world_size > 1 or args.deepspeed or args.fsdp:
+        raise ValueError(
+            f"LoGRAGRPOTrainer runs in one process (world size {args.world_size}, deepspeed={bool(args.deepspeed)}, "
+            f"fsdp={bool(args.fsdp)}): the sketched weights have no .grad, so DDP/DeepSpeed/FSDP gradient reduction "
+            "never sees the sketches. For data-parallel LoGRA all-reduce the sketch buffer instead "
+            "(logra.distributed.allreduce_sketches), or launch a single process.")
+    if args.fp16:
+        raise ValueError(
+            "LoGRAGRPOTrainer does not support fp16=True: accelerate's GradScaler unscales .grad only, so the loss "
+            "scale would stay in the gradient sketches. Use bf16=True (autocast without a scaler) or fp32.")
+    if logra_config.non_target == "sketch":
+        raise ValueError(
+            "LoGRAConfig(non_target='sketch') does not work under TRL: its fused LM head multiplies by lm_head.weight "
+            "directly, so the sketched lm_head never sees a gradient. Use non_target='freeze' (paper) or 'adamw'.")
+    if args.max_grad_norm and args.max_grad_norm > 0:
+        warnings.warn(
+            f"GRPOConfig.max_grad_norm={args.max_grad_norm} would clip only the dense .grad (LoGRA's sketched weights "
+            "have none); set to 0. To clip the sketched gradient use LoGRAConfig(max_grad_norm=...) (currently "
+            f"{logra_config.max_grad_norm}).", stacklevel=3)
+        args.max_grad_norm = 0.0
+    if args.learning_rate != _TRL_DEFAULT_LR:
+        warnings.warn(
+            f"GRPOConfig.learning_rate={args.learning_rate} is not used by LoGRA: the step size is "
+            f"LoGRAConfig.update_ratio={logra_config.update_ratio} (or LoGRAConfig.lr when update_ratio is None) "
+            "scaled by the KL controller; non-target AdamW uses LoGRAConfig.non_target_lr.", stacklevel=3)
+
+
+class LoGRAGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` that trains with LoGRA and predicted-KL step control.
+
+    Takes every argument of ``GRPOTrainer`` (positionally or by name) plus:
+
+    Args:
+        logra_config: LoGRA settings (default `LoGRAConfig()`: the paper's).
+        kl_controller: the step-size controller (default `KLController()`: the paper's
+            budget schedule); ignored when ``kl_control`` is False.
+        kl_control: scale every update to the KL budget; False: α = 1 always.
+        probe_responses: completions of the last micro-batch used as KL probe (paper: 2).
+        probe_max_tokens: at most this many probe positions.
+        measure_realized_kl: also log the exact KL on the probe after each step
+            (two extra probe forward passes).
+
+    Attributes:
+        logra_optimizer: the `KLControlledLoGRA` (unwrapped; None until training starts
+            or `create_optimizer` is called).
+        logra_config: the LoGRA settings.
+        kl_controller: the controller (None with ``kl_control=False``).
+
+    Raises:
+        ValueError: a setting LoGRA cannot honour (the message says what to set instead).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        logra_config: LoGRAConfig | None = None,
+        kl_controller: KLController | None = None,
+        kl_control: bool = True,
+        probe_responses: int = 2,
+        probe_max_tokens: int = 4096,
+        measure_realized_kl: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        bound = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs)
+        params = bound.arguments
+        logra_config = logra_config or LoGRAConfig()
+        if params.get("args") is None:
+            # Build TRL's default here so the checks below see (and can fix) it.
+            model = params["model"]
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model") or "model"
+            params["args"] = GRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
+        optimizer, _ = params.get("optimizers", (None, None))
+        if optimizer is not None:
+            raise ValueError("LoGRAGRPOTrainer builds its own optimizer (LoGRA): pass logra_config=LoGRAConfig(...) "
+                             "instead of optimizers=(optimizer, ...); a scheduler alone may be passed.")
+        if params.get("peft_config") is not None:
+            raise ValueError("LoGRAGRPOTrainer trains the full-rank weights through low-rank sketches and replaces "
+                             "LoRA: drop peft_config (pass logra_config=LoGRAConfig(rank=...) to choose the rank).")
+        if probe_responses < 1:
+            raise ValueError(f"probe_responses must be >= 1, got {probe_responses}")
+        _check_args(params["args"], logra_config)
+        self.logra_config = logra_config
+        self.kl_controller = (kl_controller or KLController()) if kl_control else None
+        self.logra_optimizer: KLControlledLoGRA | None = None
+        self._probe_responses = probe_responses
+        self._probe_max_tokens = probe_max_tokens
+        self._measure_realized_kl = measure_realized_kl
+        super().__init__(*bound.args[1:], **bound.kwargs)
+        if self.accelerator.num_processes > 1:
+            raise ValueError(f"LoGRAGRPOTrainer runs in one process, found {self.accelerator.num_processes}; "
+                             "for data-parallel LoGRA all-reduce the sketch buffer (logra.distributed.allreduce_sketches).")
+
+    # ------------------------------------------------------------------ the optimizer
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """Build the `KLControlledLoGRA` on the model TRL trains (installs the sketches)."""
+        if self.optimizer is None:
+            target = self.model if model is None else model
+            self.logra_optimizer = KLControlledLoGRA(
+                target, self.logra_config, self.kl_controller, temperature=self.temperature,
+                probe_max_tokens=self._probe_max_tokens, measure_realized_kl=self._measure_realized_kl,
+            )
+            self.logra_optimizer.add_step_callback(self._record_logra_stats)
+            self.optimizer = self.logra_optimizer
+        return self.optimizer
+
+    def _record_logra_stats(self, stats: dict[str, float]) -> None:
+        # TRL averages each list over the logging window and logs it with its own metrics.
+        for key in STAT_KEYS:
+            if key in stats:
+                self._metrics["train"][f"logra/{key}"].append(float(stats[key]))
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> float:
+        # HF measures .grad, which sketched weights do not have: report the sketched norm instead.
+        opt = self.logra_optimizer
+        if opt is None:
+            return super()._get_grad_norm(model, grad_norm)
+        with torch.no_grad():
+            sq = sum(float(sketch_update_sq_norm(s, opt.projection(n))) for n, s in opt.sketches().items())
+            sq += sum(float(p.grad.float().square().sum()) for p in opt.dense_parameters() if p.grad is not None)
+        return math.sqrt(sq)
+
+    # ------------------------------------------------------------------ the probe
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> torch.Tensor:
+        """TRL's loss, unchanged; on training micro-batches the probe of the next step is kept."""
+        if self.logra_optimizer is not None and self.model.training and torch.is_grad_enabled():
+            self._capture_probe(inputs)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+    def _capture_probe(self, inputs: dict[str, Any]) -> None:
+        if self.kl_controller is not None and any(k in inputs for k in ("pixel_values", "image_grid_thw")):
+            raise ValueError("the KL probe runs the model on token ids only and cannot see images: "
+                             "pass kl_control=False to LoGRAGRPOTrainer for multimodal batches")
+        response = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            response = response * inputs["tool_mask"]
+        # Completions with no loss-bearing token (e.g. masked truncations) cannot be probed.
+        rows = response.bool().any(dim=1).nonzero().flatten()[: self._probe_responses]
+        if rows.numel() == 0:
+            return  # keep the probe of an earlier micro-batch of this window, if any
+        prompt_ids, prompt_mask = inputs["prompt_ids"][rows], inputs["prompt_mask"][rows]
+        completion_ids, completion_mask = inputs["completion_ids"][rows], inputs["completion_mask"][rows]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        response_mask = torch.cat([torch.zeros_like(prompt_mask), response[rows]], dim=1)
+        self.logra_optimizer.set_probe(input_ids, attention_mask, response_mask)

@@ -1,0 +1,606 @@
+"""The RL post-training loop: rollout → reward → loss → sketch → proposal → KL scale → apply → delta.
+
+`RLConfig` holds every setting (TRL-style config/trainer split); `RLTrainer` runs the
+loop with LoGRA (default), dense AdamW or LoRA (peft) as the optimizer and the same
+predicted-KL controller for all three.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+from tqdm.auto import tqdm
+
+from .config import LoGRAConfig
+from .kl import DenseProposal, KLController, predicted_kl, probe_logits, realized_kl
+from .memory import GIB, peak_rss_bytes
+from .optimizer import LoGRAOptimizer
+from .rollout import Rollout, generate_rollouts, token_logprobs
+from .tasks import Problem, Task, is_correct, make_task, pass_at_k
+from .tiny import TinyPolicyConfig
+
+_CHECKPOINT = "checkpoint"
+
+
+@dataclass
+class KLControlConfig:
+    """Predicted-KL step control (spec §5); the paper's defaults.
+
+    Attributes:
+        enabled: scale every update to the KL budget (off: α = 1 always).
+        budget: KL budget at the first update.
+        budget_final: KL budget at the end of the schedule.
+        schedule_steps: updates over which the budget decays.
+        schedule: 'cosine' or 'constant'.
+        alpha_max: largest scale (the step may grow up to this factor).
+        mismatch_ema: EMA weight of the rollout-vs-trainer KL subtracted from the budget.
+        mismatch_floor: the effective budget never drops below this fraction of the budget.
+        probe_responses: responses of the batch used as probe data.
+        probe_max_tokens: at most this many probe positions.
+    """
+
+    enabled: bool = True
+    budget: float = 2e-4
+    budget_final: float = 2e-5
+    schedule_steps: int = 300
+    schedule: str = "cosine"
+    alpha_max: float = 3.0
+    mismatch_ema: float = 0.3
+    mismatch_floor: float = 0.5
+    probe_responses: int = 2
+    probe_max_tokens: int = 4096
+
+
+@dataclass
+class RLConfig:
+    """Everything `logra train` needs. Defaults are the embedded default run.
+
+    Attributes:
+        model: local path or hub name of a causal LM; empty = the embedded tiny policy.
+        task: reasoning-gym task name, 'rg-hard', a weighted mix 'a:0.7,b:0.3', or
+            'math:/path/file.jsonl'.
+        task_config: difficulty settings passed to reasoning-gym's dataset config.
+        extract: answer extraction: 'answer' (after "Answer:"), 'boxed', 'last_line', 'full', 'tag'.
+        instruction: format instruction appended to prompts; 'default' = the one matching
+            ``extract``, '' = none (short prompts for tiny models).
+        strip_prefix: boilerplate removed from the front of reasoning-gym questions.
+        partial_credit: keep reasoning-gym's partial rewards (else 1 for full credit, 0 otherwise).
+        optimizer: 'logra', 'adamw' (dense Adam baseline) or 'lora' (peft).
+        algorithm: 'grpo' (group-normalised advantages, clipped ratio) or 'reinforce'
+            (running baseline, truncated importance sampling).
+        updates: number of optimizer updates.
+        prompts_per_update: prompts sampled per update.
+        responses_per_prompt: responses per prompt (the GRPO group size).
+        micro_batch: sequences per forward/backward pass.
+        temperature: sampling temperature (also used in the loss and KL probe).
+        top_p: nucleus sampling threshold.
+        max_new_tokens: response length limit (longer responses are truncated).
+        clip_eps: GRPO ratio clip.
+        is_cap: REINFORCE truncated importance-sampling cap.
+        baseline_decay: REINFORCE running-baseline EMA decay.
+        ref_kl_coef: weight of a KL penalty to the initial policy (0 = off, as in the paper).
+        lr: learning rate of the adamw / lora baselines (cosine schedule).
+        lora_rank: LoRA rank (0 = logra.rank).
+        logra: LoGRA optimizer settings.
+        kl: predicted-KL control settings.
+        tiny: the embedded tiny policy and its warm start (used when model is empty).
+        eval_every: evaluate every k updates (0 = only before and after training).
+        eval_problems: held-out problems per evaluation.
+        eval_samples: samples per problem (n of the unbiased pass@k estimator, ≥ 4).
+        checkpoint_every: checkpoint every k updates (0 = only at the end).
+        run_dir: where metrics, plots and checkpoints go.
+        cache_dir: where the embedded policy's warm start is cached.
+        seed: seed of sampling and problem order.
+        tensorboard: also write TensorBoard event files.
+        device: 'auto', 'cpu' or 'cuda[:i]'.
+        threads: CPU threads for torch (0 = torch's default).
+    """
+
+    model: str = ""
+    task: str = "basic_arithmetic"
+    task_config: dict[str, Any] = field(default_factory=dict)
+    extract: str = "answer"
+    instruction: str = "default"
+    strip_prefix: str = ""
+    partial_credit: bool = True
+    optimizer: str = "logra"
+    algorithm: str = "grpo"
+    updates: int = 60
+    prompts_per_update: int = 16
+    responses_per_prompt: int = 8
+    micro_batch: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    clip_eps: float = 0.2
+    is_cap: float = 2.0
+    baseline_decay: float = 0.9
+    ref_kl_coef: float = 0.0
+    lr: float = 3e-4
+    lora_rank: int = 0
+    logra: LoGRAConfig = field(default_factory=lambda: LoGRAConfig(rank=32, update_ratio=3e-3))
+    kl: KLControlConfig = field(default_factory=lambda: KLControlConfig(budget=5e-3, budget_final=1e-3, schedule_steps=60))
+    tiny: TinyPolicyConfig = field(default_factory=TinyPolicyConfig)
+    eval_every: int = 20
+    eval_problems: int = 500
+    eval_samples: int = 4
+    checkpoint_every: int = 20
+    run_dir: str = "runs/default"
+    cache_dir: str = "~/.cache/logra"
+    seed: int = 0
+    tensorboard: bool = False
+    device: str = "auto"
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        choices = {"optimizer": ("logra", "adamw", "lora"), "algorithm": ("grpo", "reinforce"),
+                   "extract": ("answer", "boxed", "last_line", "full", "tag")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"RLConfig.{name}={getattr(self, name)!r} is not one of {allowed}")
+        positive = ("updates", "prompts_per_update", "responses_per_prompt", "micro_batch", "max_new_tokens",
+                    "eval_problems")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.algorithm == "grpo" and self.responses_per_prompt < 2:
+            raise ValueError("GRPO needs responses_per_prompt >= 2 (advantages are group-normalised)")
+        if self.eval_samples < 4:
+            raise ValueError("eval_samples must be >= 4 to estimate Pass@4")
+        if not 0 < self.temperature or not 0 < self.top_p <= 1:
+            raise ValueError("temperature must be > 0 and top_p in (0, 1]")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (YAML/JSON-ready)."""
+        out = dataclasses.asdict(self)
+        out["logra"] = self.logra.to_dict()
+        return out
+
+
+def build_task(config: RLConfig) -> Task:
+    """The task of ``config`` (options that only reasoning-gym tasks take are passed only if set)."""
+    kw: dict[str, Any] = {"extract": config.extract}
+    if config.instruction != "default":
+        kw["instruction"] = config.instruction
+    if config.task_config:
+        kw["config"] = config.task_config
+    if config.strip_prefix:
+        kw["strip_prefix"] = config.strip_prefix
+    if not config.partial_credit:
+        kw["partial_credit"] = False
+    try:
+        return make_task(config.task, **kw)
+    except TypeError as e:
+        raise ValueError(f"task {config.task!r} does not take these options {sorted(kw)}: {e}") from None
+
+
+# ----------------------------------------------------------------------- the loss
+def advantages(rewards: torch.Tensor, group: int, algorithm: str, baseline: float) -> torch.Tensor:
+    """Per-response advantages: GRPO group-normalised, or reward minus a running baseline."""
+    if algorithm == "grpo":
+        r = rewards.view(-1, group)
+        return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).flatten()
+    return rewards - baseline
+
+
+def policy_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, config: RLConfig,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Summed token loss of a micro-batch (divide by the update's token count outside).
+
+    GRPO: ``-min(ρ·A, clip(ρ, 1±ε)·A)``. REINFORCE: ``-min(ρ, cap)·A·log π`` with the
+    truncated ratio treated as a constant weight. Optional k3 penalty to a reference.
+    """
+    mask = mask.float()
+    ratio = torch.exp(logp - old_logp)
+    a = adv[:, None]
+    if config.algorithm == "grpo":
+        clipped = torch.clamp(ratio, 1 - config.clip_eps, 1 + config.clip_eps)
+        per_token = -torch.minimum(ratio * a, clipped * a)
+        clip_frac = ((ratio - clipped).abs() > 0).float()
+    else:
+        weight = torch.clamp(ratio, max=config.is_cap).detach()
+        per_token = -weight * a * logp
+        clip_frac = (ratio > config.is_cap).float()
+    if ref_logp is not None and config.ref_kl_coef > 0:
+        log_r = ref_logp - logp
+        per_token = per_token + config.ref_kl_coef * (torch.exp(log_r) - log_r - 1)
+    stats = {"clip_frac_sum": float((clip_frac * mask).sum())}
+    return (per_token * mask).sum(), stats
+
+
+# ----------------------------------------------------------------------- helpers
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _cosine_lambda(total: int):
+    return lambda step: 0.5 * (1 + math.cos(math.pi * min(step / max(total, 1), 1.0)))
+
+
+class _MetricsLog:
+    """metrics.jsonl (and optionally TensorBoard) in the run directory."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            step = record.get("update", 0)
+            prefix = "eval/" if record.get("kind") == "eval" else "train/"
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "update":
+                    self.writer.add_scalar(prefix + k, v, step)
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------- the trainer
+class RLTrainer:
+    """Runs `RLConfig`: build policy, task and optimizer, then train, evaluate, checkpoint.
+
+    ``model``/``tokenizer``/``task`` may be passed in to override what the config
+    would build (tests and notebooks do this).
+    """
+
+    def __init__(
+        self,
+        config: RLConfig,
+        model: nn.Module | None = None,
+        tokenizer: Any = None,
+        task: Task | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.config = config
+        self.progress = progress
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.device = _resolve_device(config.device)
+        self.task = task or build_task(config)
+        self.run_dir = Path(config.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if model is None:
+            model, tokenizer, self.model_info = self._load_policy()
+        else:
+            self.model_info = {"source": "given"}
+        self.tokenizer = tokenizer
+        self.model = model.to(self.device)
+        self.reference = None
+        if config.ref_kl_coef > 0:
+            import copy
+
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self._build_optimizer()
+        self.controller = KLController(
+            budget=config.kl.budget, budget_final=config.kl.budget_final, schedule_steps=config.kl.schedule_steps,
+            schedule=config.kl.schedule, alpha_max=config.kl.alpha_max, mismatch_ema=config.kl.mismatch_ema,
+            mismatch_floor=config.kl.mismatch_floor,
+        )
+        self.update = 0
+        self.baseline = 0.0
+        self.log = _MetricsLog(self.run_dir, config.tensorboard)
+        self._autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
+        )
+
+    # ------------------------------------------------------------- construction
+    def _load_policy(self):
+        cfg = self.config
+        if not cfg.model:
+            from .tiny import load_or_warm_start
+
+            def demonstrations(tiny: TinyPolicyConfig) -> list[tuple[str, str]]:
+                problems = self.task.problems("train", tiny.num_demonstrations, seed=tiny.seed + 1)
+                return [(p.prompt, self.task.reference_response(p)) for p in problems]
+
+            return load_or_warm_start(cfg.tiny, Path(cfg.cache_dir).expanduser(), demonstrations, progress=self.progress)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+        except (ValueError, OSError, KeyError) as e:
+            raise ValueError(f"--model {cfg.model!r} is not a loadable causal language model: {e}") from e
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return model, tokenizer, {"source": cfg.model}
+
+    def _build_optimizer(self) -> None:
+        cfg = self.config
+        self.scheduler = None
+        if cfg.optimizer == "logra":
+            self.optimizer = LoGRAOptimizer(self.model, cfg.logra)
+        elif cfg.optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        else:
+            from peft import LoraConfig, get_peft_model
+
+            rank = cfg.lora_rank or cfg.logra.rank
+            lora = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(cfg.logra.target_modules), lora_dropout=0.0)
+            self.model = get_peft_model(self.model, lora)
+            self.optimizer = torch.optim.AdamW(
+                [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        if cfg.optimizer != "logra":
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _cosine_lambda(cfg.updates))
+
+    # ------------------------------------------------------------- data
+    def _train_problems(self, update: int) -> list[Problem]:
+        """The prompts of ``update``: a fixed function of (seed, update), so resume is exact."""
+        if not hasattr(self, "_pool"):
+            self._pool = self.task.problems("train", max(2000, 4 * self.config.prompts_per_update), seed=self.config.seed)
+        rng = random.Random(self.config.seed * 1_000_003 + update)
+        return rng.sample(self._pool, self.config.prompts_per_update)
+
+    def _score(self, problems: list[Problem], texts: list[str]) -> torch.Tensor:
+        return torch.tensor([self.task.score(p, t) for p, t in zip(problems, texts)], dtype=torch.float32)
+
+    # ------------------------------------------------------------- one update
+    def _rollout(self, problems: list[Problem], samples: int) -> tuple[list[Problem], Rollout]:
+        expanded = [p for p in problems for _ in range(samples)]
+        rollout = generate_rollouts(
+            self.model, self.tokenizer, [p.prompt for p in expanded], temperature=self.config.temperature,
+            top_p=self.config.top_p, max_new_tokens=self.config.max_new_tokens, batch_size=max(self.config.micro_batch, 64),
+        )
+        return expanded, rollout
+
+    def train_step(self) -> dict[str, Any]:
+        """One update: rollout → reward → loss → sketch → proposal → KL scale → apply."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        problems, rollout = self._rollout(self._train_problems(self.update), cfg.responses_per_prompt)
+        rewards = self._score(problems, rollout.responses)
+        t_rollout = time.perf_counter()
+
+        adv = advantages(rewards, cfg.responses_per_prompt, cfg.algorithm, self.baseline).to(self.device)
+        self.baseline = cfg.baseline_decay * self.baseline + (1 - cfg.baseline_decay) * float(rewards.mean())
+        n_tokens = int(rollout.response_mask.sum())
+        self.model.train()
+        loss_sum, clip_sum, mismatch_sum = 0.0, 0.0, 0.0
+        for start in range(0, len(rollout), cfg.micro_batch):
+            rows = list(range(start, min(start + cfg.micro_batch, len(rollout))))
+            mb = rollout.select(rows)
+            with self._autocast:
+                logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, cfg.temperature)
+                ref = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref = token_logprobs(self.reference, mb.input_ids, mb.attention_mask, cfg.temperature)
+            loss, stats = policy_loss(logp, mb.logprobs, adv[rows], mb.response_mask, cfg, ref)
+            (loss / n_tokens).backward()
+            loss_sum += float(loss.detach())
+            clip_sum += stats["clip_frac_sum"]
+            with torch.no_grad():  # k3 estimate of KL(rollout ‖ trainer) on the sampled tokens
+                log_r = (logp.detach() - mb.logprobs) * mb.response_mask
+                mismatch_sum += float(((torch.exp(log_r) - log_r - 1) * mb.response_mask).sum())
+        mismatch = mismatch_sum / n_tokens
+        self.controller.observe_mismatch(mismatch)
+        t_backward = time.perf_counter()
+
+        record = self._apply_update(rollout)
+        t_apply = time.perf_counter()
+        record.update({
+            "kind": "train", "update": self.update, "reward": float(rewards.mean()),
+            "pass_rate": float(sum(is_correct(r) for r in rewards.tolist()) / len(rewards)),
+            "loss": loss_sum / n_tokens, "response_len": n_tokens / len(rollout),
+            "truncation_rate": float(rollout.truncated.float().mean()), "clip_frac": clip_sum / n_tokens,
+            "mismatch_kl": mismatch, "time_rollout": t_rollout - t0, "time_train": t_backward - t_rollout,
+            "time_sync": t_apply - t_backward, "time_update": t_apply - t0,
+            "reward_failures": getattr(self.task, "failures", 0),
+        })
+        record.update(self._memory())
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.update += 1
+        return record
+
+    def _apply_update(self, rollout: Rollout) -> dict[str, Any]:
+        cfg = self.config
+        if isinstance(self.optimizer, LoGRAOptimizer):
+            proposal = self.optimizer.propose()
+            extra = {"sketch_norm": proposal.sketch_norm, "update_norm": proposal.update_norm}
+        else:
+            proposal = DenseProposal.from_optimizer(self.model, self.optimizer)
+            extra = {"update_norm": math.sqrt(sum(float(d.float().square().sum()) for d in proposal.displacements.values()))}
+        probe = rollout.select(slice(0, min(cfg.kl.probe_responses, len(rollout))))
+        args = (probe.input_ids, probe.attention_mask, probe.response_mask)
+        alpha, kl_hat = 1.0, float("nan")
+        if cfg.kl.enabled:
+            kl_hat = predicted_kl(self.model, proposal, *args, temperature=cfg.temperature,
+                                  max_tokens=cfg.kl.probe_max_tokens)
+            alpha = self.controller.scale(kl_hat, self.update)
+        before = probe_logits(self.model, *args, max_tokens=cfg.kl.probe_max_tokens)
+        if isinstance(self.optimizer, LoGRAOptimizer):
+            delta = self.optimizer.apply(proposal, alpha)
+            extra["delta_bytes"] = delta.nbytes
+        else:
+            proposal.apply(alpha)
+            extra["delta_bytes"] = sum(p.numel() * 2 for p in self.model.parameters() if p.requires_grad)
+        self.optimizer.zero_grad(set_to_none=True)
+        after = probe_logits(self.model, *args, max_tokens=cfg.kl.probe_max_tokens)
+        extra.update({
+            "predicted_kl": kl_hat * alpha**2 if cfg.kl.enabled else float("nan"), "predicted_kl_full": kl_hat,
+            "alpha": alpha, "budget": self.controller.effective_budget(self.update),
+            "realized_kl": realized_kl(before, after, cfg.temperature),
+        })
+        return extra
+
+    def _memory(self) -> dict[str, float]:
+        if self.device.type == "cuda":
+            return {"peak_mem_gib": torch.cuda.max_memory_allocated(self.device) / GIB}
+        return {"peak_rss_gib": peak_rss_bytes() / GIB}
+
+    # ------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self, problems: int | None = None, samples: int | None = None) -> dict[str, Any]:
+        """Pass@1 / Pass@4 (unbiased estimator over ``samples`` per problem) and mean reward
+        on held-out problems, sampling at the training temperature."""
+        cfg = self.config
+        n, k = problems or cfg.eval_problems, samples or cfg.eval_samples
+        if not hasattr(self, "_eval_pool") or len(self._eval_pool) != n:
+            self._eval_pool = self.task.problems("eval", n, seed=cfg.seed)
+        state = torch.random.get_rng_state()
+        torch.manual_seed(cfg.seed + 7)  # the same evaluation samples whenever we evaluate
+        try:
+            expanded, rollout = self._rollout(self._eval_pool, k)
+        finally:
+            torch.random.set_rng_state(state)
+        rewards = self._score(expanded, rollout.responses).view(n, k)
+        correct = [sum(is_correct(r) for r in row) for row in rewards.tolist()]
+        p1 = [pass_at_k(k, c, 1) for c in correct]
+        mean1 = sum(p1) / n
+        stderr = math.sqrt(sum((x - mean1) ** 2 for x in p1) / max(n - 1, 1) / n)
+        return {
+            "kind": "eval", "update": self.update, "pass@1": mean1, "pass@1_stderr": stderr,
+            "pass@4": sum(pass_at_k(k, c, 4) for c in correct) / n, "reward": float(rewards.mean()),
+            "problems": n, "samples": k,
+        }
+
+    # ------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> Path:
+        """Weights (safetensors) + optimizer, controller, scheduler and RNG state."""
+        path = self.run_dir / _CHECKPOINT
+        tmp = self.run_dir / (_CHECKPOINT + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_model(self.model, str(tmp / "model.safetensors"))
+        state = {
+            "update": self.update, "baseline": self.baseline, "optimizer": self.optimizer.state_dict(),
+            "controller": self.controller.state_dict(), "rng": torch.random.get_rng_state(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
+        torch.save(state, tmp / "state.pt")
+        (tmp / "config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
+        if path.exists():
+            import shutil
+
+            shutil.rmtree(path)
+        tmp.rename(path)
+        return path
+
+    def load_checkpoint(self) -> None:
+        """Continue from ``run_dir/checkpoint`` exactly where it stopped."""
+        path = self.run_dir / _CHECKPOINT
+        load_model(self.model, str(path / "model.safetensors"))
+        state = torch.load(path / "state.pt", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.controller.load_state_dict(state["controller"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        torch.random.set_rng_state(state["rng"])
+        self.update, self.baseline = state["update"], state["baseline"]
+        # drop metrics written after the checkpoint, so the log matches the resumed run
+        kept = [r for r in self.log.read() if r["update"] < self.update or (r["kind"] == "eval" and r["update"] == self.update)]
+        self.log.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    # ------------------------------------------------------------- the run
+    def train(self) -> dict[str, Any]:
+        """Run the remaining updates with evaluations, checkpoints, plots and a summary."""
+        cfg = self.config
+        (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        if self.update == 0:
+            self._evaluate_and_log()
+        bar = tqdm(total=cfg.updates, initial=self.update, desc="logra train", disable=not self.progress,
+                   dynamic_ncols=True)
+        interrupted = False
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            while self.update < cfg.updates:
+                record = self.train_step()
+                self.log.write(record)
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record['realized_kl']:.1e}",
+                                alpha=f"{record['alpha']:.2f}", s=f"{record['time_update']:.1f}")
+                if cfg.eval_every and self.update % cfg.eval_every == 0 and self.update < cfg.updates:
+                    self._evaluate_and_log(bar)
+                if cfg.checkpoint_every and self.update % cfg.checkpoint_every == 0:
+                    self.save_checkpoint()
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            bar.close()
+            signal.signal(signal.SIGINT, previous)
+        if interrupted:
+            path = self.save_checkpoint()
+            print(f"interrupted at update {self.update}; checkpoint written to {path}; resume with "
+                  f"`logra train --resume {self.run_dir}`")
+            return {"interrupted": True, "update": self.update}
+        self._evaluate_and_log()
+        self.save_checkpoint()
+        return self._finish()
+
+    def _evaluate_and_log(self, bar: tqdm | None = None) -> dict[str, Any]:
+        result = self.evaluate()
+        self.log.write(result)
+        message = (f"eval @ update {result['update']}: pass@1 {result['pass@1']:.3f} ± {result['pass@1_stderr']:.3f}"
+                   f"  pass@4 {result['pass@4']:.3f}  reward {result['reward']:.3f}")
+        (bar.write if bar is not None else print)(message)
+        return result
+
+    def _finish(self) -> dict[str, Any]:
+        from .plots import plot_run
+
+        records = self.log.read()
+        evals = [r for r in records if r["kind"] == "eval"]
+        train = [r for r in records if r["kind"] == "train"]
+        first, last = evals[0], evals[-1]
+        gain = last["pass@1"] - first["pass@1"]
+        se = math.sqrt(first["pass@1_stderr"] ** 2 + last["pass@1_stderr"] ** 2)
+        summary = {
+            "updates": self.update, "pass@1_start": first["pass@1"], "pass@1_end": last["pass@1"],
+            "pass@1_gain": gain, "gain_in_stderr": gain / se if se > 0 else 0.0,
+            "pass@4_start": first["pass@4"], "pass@4_end": last["pass@4"],
+            "peak_pass@1": max(e["pass@1"] for e in evals), "peak_pass@4": max(e["pass@4"] for e in evals),
+            "mean_update_s": sum(r["time_update"] for r in train) / max(len(train), 1),
+            "updates_per_hour": 3600 * len(train) / max(sum(r["time_update"] for r in train), 1e-9),
+            "plots": [str(p) for p in plot_run(records, self.run_dir)],
+        }
+        mem_key = "peak_mem_gib" if train and "peak_mem_gib" in train[-1] else "peak_rss_gib"
+        if train:
+            summary[mem_key] = max(r[mem_key] for r in train)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if self.progress:
+            print(format_summary(summary, self.config))
+        return summary
+
+
+def format_summary(summary: dict[str, Any], config: RLConfig) -> str:
+    """A short markdown table of a finished run."""
+    rows = [
+        ("optimizer", config.optimizer), ("updates", summary["updates"]),
+        ("Pass@1 start → end", f"{summary['pass@1_start']:.3f} → {summary['pass@1_end']:.3f}"),
+        ("Pass@1 gain", f"{summary['pass@1_gain']:+.3f} ({summary['gain_in_stderr']:.1f} standard errors)"),
+        ("Pass@4 start → end", f"{summary['pass@4_start']:.3f} → {summary['pass@4_end']:.3f}"),
+        ("peak Pass@1 / Pass@4", f"{summary['peak_pass@1']:.3f} / {summary['peak_pass@4']:.3f}"),
+        ("updates / hour", f"{summary['updates_per_hour']:.0f}"),
+    ]
+    for key in ("peak_mem_gib", "peak_rss_gib"):
+        if key in summary:
+            rows.append((key.replace("_gib", " (GiB)"), f"{summary[key]:.2f}"))
+    lines = ["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""The RL loop end to end on a tiny model: updates, KL control, metrics, resume, CLI, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from logra.config import LoGRAConfig
+from logra.rl import KLControlConfig, RLConfig, RLTrainer, advantages, policy_loss
+from logra.tasks import Problem, Task
+from logra.tiny import byte_tokenizer
+from logra.train import main as train_main
+
+
+class VowelTask(Task):
+    """Reward = fraction of response characters that are 'a' (dense, so a random policy
+    gets a learning signal)."""
+
+    name = "vowels"
+    extract = "full"
+
+    def problems(self, split: str, n: int, seed: int) -> list[Problem]:
+        offset = 0 if split == "train" else 10_000
+        return [Problem(f"{offset + seed * n + i}:", "aaaa", self.name, i) for i in range(n)]
+
+    def _grade(self, problem: Problem, response: str) -> float:
+        if response.startswith("!"):
+            raise RuntimeError("grader crash")  # counted, not fatal
+        return response.count("a") / max(len(response), 1)
+
+
+def _policy(seed: int = 0):
+    tok = byte_tokenizer()
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    return Qwen2ForCausalLM(cfg), tok
+
+
+def _config(tmp_path, **kw) -> RLConfig:
+    base = dict(task="basic_arithmetic", optimizer="logra", updates=3, prompts_per_update=4, responses_per_prompt=4,
+                micro_batch=8, max_new_tokens=6, eval_every=0, eval_problems=8, checkpoint_every=2,
+                run_dir=str(tmp_path / "run"), logra=LoGRAConfig(rank=8, update_ratio=1e-2),
+                kl=KLControlConfig(budget=1e-3, budget_final=1e-4, schedule_steps=10), lr=1e-3)
+    base.update(kw)
+    return RLConfig(**base)
+
+
+def test_grpo_advantages_and_loss_reference():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.4])
+    adv = advantages(rewards, 3, "grpo", 0.0)
+    r = rewards.view(2, 3)
+    torch.testing.assert_close(adv.view(2, 3), (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4))
+    assert torch.allclose(advantages(rewards, 3, "reinforce", 0.3), rewards - 0.3)
+    logp = torch.log(torch.tensor([[0.5, 0.2], [0.1, 0.9]])).requires_grad_(True)
+    old = torch.log(torch.tensor([[0.5, 0.1], [0.1, 0.3]]))
+    mask = torch.tensor([[1, 1], [0, 1]])
+    a = torch.tensor([1.0, -1.0])
+    cfg = RLConfig(algorithm="reinforce", is_cap=2.0)
+    loss, _ = policy_loss(logp, old, a, mask, cfg)
+    # ratios: 1, 2 (capped at 2), -, 3 → capped 2; weight · A · logp summed over the mask
+    expected = -(1 * 1 * logp[0, 0] + 2 * 1 * logp[0, 1] + 2 * -1 * logp[1, 1])
+    torch.testing.assert_close(loss, expected)
+    cfg = RLConfig(algorithm="grpo", clip_eps=0.2)
+    loss, _ = policy_loss(logp, old, a, mask, cfg)
+    ratio = torch.exp(logp - old)
+    ref = -(torch.minimum(ratio * a[:, None], ratio.clamp(0.8, 1.2) * a[:, None]) * mask).sum()
+    torch.testing.assert_close(loss, ref)
+
+
+@pytest.mark.parametrize("optimizer", ["logra", "adamw", "lora"])
+def test_updates_change_policy_under_kl_control(tmp_path, optimizer):
+    model, tok = _policy()
+    names = {n for n, _ in model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = RLTrainer(_config(tmp_path, optimizer=optimizer), model=model, tokenizer=tok, task=VowelTask(),
+                        progress=False)
+    records = [trainer.train_step() for _ in range(3)]
+    for r in records:
+        assert {"reward", "loss", "predicted_kl", "alpha", "budget", "realized_kl", "time_rollout",
+                "time_train", "time_sync", "truncation_rate", "clip_frac", "response_len"} <= set(r)
+        assert 0 < r["alpha"] <= 3.0
+        # the step was sized to the budget and the realised KL matches the prediction
+        assert r["realized_kl"] == pytest.approx(r["predicted_kl"], rel=0.25)
+        assert r["predicted_kl"] <= r["budget"] * (1 + 1e-6)
+    after = dict(trainer.model.named_parameters())
+    if optimizer == "logra":
+        changed = {n for n in names if not torch.equal(before[n], after[n])}
+        assert changed == set(trainer.optimizer.targets)  # 'freeze': only sketched weights move
+        assert records[0]["delta_bytes"] == sum(8 * 2 * before[n].shape[0] for n in changed)
+
+
+def test_resume_continues_exactly(tmp_path):
+    full_model, tok = _policy()
+    full = RLTrainer(_config(tmp_path / "a", updates=4), model=full_model, tokenizer=tok, task=VowelTask(),
+                     progress=False)
+    full.train()
+    half_model, _ = _policy()
+    half = RLTrainer(_config(tmp_path / "b", updates=2), model=half_model, tokenizer=tok, task=VowelTask(),
+                     progress=False)
+    half.train()
+    resumed_model, _ = _policy(seed=99)  # different init: everything must come from the checkpoint
+    resumed = RLTrainer(_config(tmp_path / "b", updates=4), model=resumed_model, tokenizer=tok, task=VowelTask(),
+                        progress=False)
+    resumed.load_checkpoint()
+    resumed.train()
+    for (n, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), n
+    rows = [json.loads(line) for line in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in rows if r["kind"] == "train"] == [0, 1, 2, 3]
+
+
+def test_grader_failures_are_counted(tmp_path):
+    class Crashy(VowelTask):
+        def _grade(self, problem, response):
+            raise RuntimeError("boom")
+
+    model, tok = _policy()
+    task = Crashy()
+    trainer = RLTrainer(_config(tmp_path), model=model, tokenizer=tok, task=task, progress=False)
+    record = trainer.train_step()
+    assert record["reward"] == 0 and record["reward_failures"] == 16
+
+
+def test_cli_trains_a_local_model_and_resumes(tmp_path, capsys):
+    model, tok = _policy()
+    model.save_pretrained(tmp_path / "policy")
+    tok.save_pretrained(tmp_path / "policy")
+    run = tmp_path / "cli-run"
+    common = ["--model", str(tmp_path / "policy"), "--task", "basic_arithmetic", "--extract", "full",
+              "--instruction", "", "--prompts_per_update", "2", "--responses_per_prompt", "2",
+              "--max_new_tokens", "4", "--eval_problems", "4", "--eval_every", "0", "--logra.rank", "8",
+              "--run_dir", str(run), "--quiet"]
+    assert train_main(common + ["--updates", "1"]) == 0
+    assert (run / "checkpoint" / "model.safetensors").exists() and (run / "learning.png").exists()
+    assert train_main(["--resume", str(run), "--updates", "2", "--quiet"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in rows if r["kind"] == "train"] == [0, 1]
+    with pytest.raises(SystemExit, match="different config"):
+        train_main(["--resume", str(run), "--logra.rank", "4", "--quiet"])
+
+
+def test_bad_input_is_refused_before_work(tmp_path):
+    with pytest.raises(SystemExit, match="did you mean 'updates'"):
+        train_main(["--updatez", "3"])
+    with pytest.raises(SystemExit, match="logra.rank"):
+        train_main(["--logra.rnak", "3"])
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("kl:\n  budgett: 1.0\n")
+    with pytest.raises(SystemExit, match="kl.budget"):
+        train_main(["--config", str(cfg_file)])
+    with pytest.raises(SystemExit, match="word_ladder"):
+        train_main(["--task", "word_ladderr", "--run_dir", str(tmp_path / "x")])
+    (tmp_path / "notamodel").mkdir()
+    (tmp_path / "notamodel" / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 10}))
+    with pytest.raises(SystemExit, match="not a loadable causal language model"):
+        train_main(["--model", str(tmp_path / "notamodel"), "--run_dir", str(tmp_path / "y")])
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        train_main(["--resume", str(tmp_path / "nothing")])
+    with pytest.raises(ValueError, match="responses_per_prompt"):
+        RLConfig(algorithm="grpo", responses_per_prompt=1)
