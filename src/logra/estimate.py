@@ -607,12 +607,9 @@ def estimate(
             rows += v * (1 if shape.tie_embeddings else 2)
             cols += h * (1 if shape.tie_embeddings else 2)
         sketch, moments, projections = rows * rank * 4, rows * 4, cols * rank * 4
-        # propose(): directions D and new moments; one target's fp32 squared weights
-        # (rows sharded under FSDP) for the global weight norm.
-        biggest = max(o * i for _, o, i in targets)
-        if m == "logra-sketch":
-            biggest = max(biggest, v * h)
-        step_scratch += sketch + moments + biggest * (4 if pb == 4 else 8) / world
+        # propose(): directions D, new moments and every target's r×r Gram matrix A Aᵀ
+        n_targets = 7 * L + (0 if m == "logra-freeze" else (1 if shape.tie_embeddings else 2))
+        step_scratch += sketch + moments + n_targets * rank * rank * 4
 
     # ---- activations and temporaries
     saved = predict_saved_activations(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 GIB = 1024**3
 #: Category names of `MemoryReport.peak_by_category`.
@@ -44,6 +45,26 @@ class _Tracker(MemTracker):
                         p.register_post_accumulate_grad_hook(lambda q: self._record_grad(q.grad)),
                     )
         return result
+
+    def _register_global_optimizer_hook(self) -> None:  # type: ignore[override]
+        # Upstream clears its in-optimizer flag at the end of ANY optimizer step; an
+        # optimizer that steps an inner one (LoGRA's non-target AdamW) would have the
+        # rest of its step counted as activations. Count nesting depth instead.
+        depth = [0]
+
+        def pre(optimizer, args, kwargs) -> None:
+            depth[0] += 1
+            self._in_opt = True
+
+        def post(optimizer, args, kwargs) -> None:
+            self._track_optimizer_states(_MemRefType.OPT, optimizer)
+            depth[0] -= 1
+            self._in_opt = depth[0] > 0
+
+        self._optimizer_hook_handles = (
+            register_optimizer_step_pre_hook(pre),
+            register_optimizer_step_post_hook(post),
+        )
 
     def _record_grad(self, grad: torch.Tensor) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)

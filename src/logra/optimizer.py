@@ -49,9 +49,9 @@ def row_adam_direction(
     return d, v_new
 
 
-def sketch_update_sq_norm(d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """``‖D A‖_F²`` via the ``r×r`` Gram matrix, without forming ``D A``."""
-    return ((d @ (a @ a.T)) * d).sum()
+def sketch_update_sq_norm(d: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """``‖D A‖_F²`` from the ``r×r`` Gram matrix ``A Aᵀ``, without forming ``D A``."""
+    return ((d @ gram) * d).sum()
 
 
 @dataclass(eq=False)
@@ -161,10 +161,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         The sketch buffer replaces gradients; second moments and projections are state.
         """
         targets = self._sketches.targets.values()
-        return {
-            "gradients": [self._sketches.buffer],
-            "optimizer": list(self._second_moments.values()) + [t.projection for t in targets],
-        }
+        state = list(self._second_moments.values()) + [t.projection for t in targets]
+        if self._dense is not None:
+            state += [v for s in self._dense.state.values() for v in s.values() if torch.is_tensor(v)]
+        return {"gradients": [self._sketches.buffer], "optimizer": state}
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Non-target parameters trained by the internal AdamW (empty with 'freeze')."""
@@ -190,7 +190,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 f"non-finite gradient sketch before update {self._step} (NaN/Inf loss?); nothing was changed")
         group = self.param_groups[0]
         targets = self._sketches.targets
-        sq = sum(sketch_update_sq_norm(t.sketch, t.projection) for t in targets.values())
+        grams = {n: t.projection @ t.projection.T for n, t in targets.items()}
+        sq = sum(sketch_update_sq_norm(t.sketch, grams[n]) for n, t in targets.items())
         sq = sq + sum(g.square().sum() for g in dense_grads)
         sketch_norm = math.sqrt(max(float(sq), 0.0))
         clip = 1.0
@@ -205,10 +206,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                     s, self._second_moments[name], t_next, group["beta2"], group["eps"])
             else:
                 directions[name] = s.clone()
-        update_sq = float(sum(sketch_update_sq_norm(directions[n], t.projection) for n, t in targets.items()))
+        update_sq = float(sum(sketch_update_sq_norm(directions[n], grams[n]) for n in targets))
         decay = 0.0
         if group["update_ratio"] is not None:
-            weight_norm = math.sqrt(float(sum(t.weight.float().square().sum() for t in targets.values())))
+            weight_norm = float(torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(t.weight, dtype=torch.float32) for t in targets.values()])))
             scale = group["update_ratio"] * weight_norm / math.sqrt(update_sq) if update_sq > 0 else 0.0
         else:
             scale = group["lr"]

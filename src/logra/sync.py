@@ -507,8 +507,9 @@ class PolicyPublisher:
     def publish(self, delta: PolicyDelta, mode: str = "delta") -> PublishReport:
         """Send the update ``delta`` (just applied by the trainer) to every live worker.
 
-        Sets ``delta.checksum`` (target weights after the update). Waits until every
-        worker has applied it (or been resynced, or lost).
+        Sets ``delta.checksum`` (target weights after the update) on every
+        ``checksum_every``-th update. Waits until every worker has applied it (or been
+        resynced, or lost).
 
         Args:
             delta: the `PolicyDelta` returned by the optimizer's ``apply``/``step``.

@@ -88,7 +88,6 @@ from trl import GRPOConfig, GRPOTrainer
 
 from ..config import LoGRAConfig
 from ..kl import KLController
-from ..optimizer import sketch_update_sq_norm
 from . import STAT_KEYS, KLControlledLoGRA
 
 __all__ = ["LoGRAGRPOTrainer"]
@@ -194,8 +193,9 @@ class LoGRAGRPOTrainer(GRPOTrainer):
         self._measure_realized_kl = measure_realized_kl
         super().__init__(*bound.args[1:], **bound.kwargs)
         if self.accelerator.num_processes > 1:
-            raise ValueError(f"LoGRAGRPOTrainer runs in one process, found {self.accelerator.num_processes}; "
-                             "for data-parallel LoGRA all-reduce the sketch buffer (logra.distributed.allreduce_sketches).")
+            raise ValueError(
+                f"LoGRAGRPOTrainer runs in one process, found {self.accelerator.num_processes}; for data-parallel "
+                "LoGRA all-reduce the sketch buffer (logra.distributed.allreduce_sketches).")
 
     # ------------------------------------------------------------------ the optimizer
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -222,9 +222,14 @@ class LoGRAGRPOTrainer(GRPOTrainer):
         if opt is None:
             return super()._get_grad_norm(model, grad_norm)
         with torch.no_grad():
-            sq = sum(float(sketch_update_sq_norm(s, opt.projection(n))) for n, s in opt.sketches().items())
-            sq += sum(float(p.grad.float().square().sum()) for p in opt.dense_parameters() if p.grad is not None)
-        return math.sqrt(sq)
+            sq = torch.zeros((), dtype=torch.float64, device=opt.sketch_buffer.device)
+            for name, s in opt.sketches().items():
+                a = opt.projection(name)
+                sq += ((s @ (a @ a.T)) * s).sum()  # ‖S A‖², without forming S A
+            for p in opt.dense_parameters():
+                if p.grad is not None:
+                    sq += p.grad.float().square().sum().to(sq.device)
+        return math.sqrt(float(sq))
 
     # ------------------------------------------------------------------ the probe
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
