@@ -34,8 +34,8 @@ keeps alive in a Hugging Face Qwen2/Llama decoder:
 The peak is taken the way ``torch.distributed._tools.mem_tracker.MemTracker`` (and
 `logra.memory.track_memory`) sees it: the largest of four instants of one steady-state
 training step (optimizer state already allocated, gradients set to ``None`` by
-``zero_grad``): *forward (last layer)* (activations saved so far + the layer's forward
-scratch), *loss backward* (all activations + logits gradients), *last layer backward*
+``zero_grad``): *forward (loss)* (all activations + the logits and their fp32 copy),
+*loss backward* (all activations + logits gradients), *last layer backward*
 (activations + the layer's backward scratch + gradients produced so far) and
 *optimizer step* (activations freed, all gradients + optimizer state + step scratch).
 For dense AdamW the step usually wins; for LoGRA the backward does.
@@ -69,7 +69,7 @@ METHODS: tuple[str, ...] = ("adamw", "lora", "logra-freeze", "logra-sketch")
 #: Memory categories of an `Estimate` (the first five of `logra.memory.CATEGORIES`).
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 #: The instants of a training step whose maximum is the peak.
-PHASES: tuple[str, ...] = ("forward (last layer)", "loss backward", "last layer backward", "optimizer step")
+PHASES: tuple[str, ...] = ("forward (loss)", "loss backward", "last layer backward", "optimizer step")
 
 Precision = Literal["fp32", "autocast", "bf16"]
 
@@ -637,27 +637,30 @@ def estimate(
     # the final norm for dense AdamW; under FSDP also one unsharded layer's gradients.
     early_grads = 0
     if m == "adamw":
-        early_grads = (v * h + h) * pb / world
+        early_grads = (v * h + h + h * inter) * pb / world   # lm_head, final norm, down_proj
         if fsdp:
             early_grads += shape.layer_parameters * cb
     elif m == "logra-sketch":
         early_grads = h * pb / world
     elif m == "lora":
-        early_grads = r_lora * sum(o + i for _, o, i in targets) * 4 / world
+        early_grads = r_lora * (h + inter) * 4 / world   # down_proj's adapters (MLP backward runs first)
 
-    # forward through the last layer: its input, norm output and MLP product are alive
-    # next to everything saved so far; sketched/LoRA-frozen weights are cast to bf16
-    # per call under autocast (dense AdamW's casts are cached and already saved).
-    forward_scratch = n_tok * inter * cb + 2 * n_tok * h * rs
-    if precision == "autocast" and m.startswith("logra"):
-        forward_scratch += 2 * max(o * i for _, o, i in targets)
-    acts_forward = saved.embed + (L * n_tok * h * rs if checkpointing else sum(saved.layers))
+    # the forward pass peaks at the loss: the logits (and their fp32 copy under bf16)
+    # next to everything saved, the final hidden state held by the model output and,
+    # under autocast, one more fp32 [N, hidden] (measured); a decoder layer's forward
+    # scratch is smaller whenever vocab > intermediate size, as in every LLM.
+    if logits_chunk:
+        forward_scratch = logits_temp
+    else:
+        hidden_unsaved = 0 if (m == "adamw" and precision != "autocast") else rs
+        forward_scratch = (n_tok * v * (cb + (4 if cb == 2 else 0))
+                           + n_tok * h * (hidden_unsaved + (4 if precision == "autocast" else 0)))
 
     fixed_opt = states + moments + projections
     phases = {
-        "forward (last layer)": {
+        "forward (loss)": {
             "parameters": params_resident + working, "gradients": sketch, "optimizer": fixed_opt,
-            "activations": acts_forward, "temporaries": forward_scratch,
+            "activations": acts_loss, "temporaries": forward_scratch,
         },
         "loss backward": {
             "parameters": params_resident + working, "gradients": sketch, "optimizer": fixed_opt,
@@ -901,8 +904,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="logra estimate",
         description="Per-GPU memory of one training step for dense AdamW, LoRA and LoGRA (freeze and sketch "
-                    "modes), by category, and whether it fits. The peak is the largest of: loss backward, last "
-                    "layer backward, optimizer step (as MemTracker measures a single instant).",
+                    "modes), by category, and whether it fits. The peak is the largest of four instants of a "
+                    "step (forward at the loss, loss backward, last layer backward, optimizer step), as MemTracker "
+                    "measures a single instant.",
     )
     p.add_argument("--model", help="built-in shape name (see --list-models) or path to a HF config.json / its directory")
     p.add_argument("--list-models", action="store_true", help="print the built-in shapes and exit")

@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--intermediate", type=int, default=None,
                        help=f"MLP intermediate size (default {_FULL_SHAPE['intermediate']})")
     shape.add_argument("--vocab", type=int, default=None, help=f"vocabulary size (default {_FULL_SHAPE['vocab']})")
+    shape.add_argument("--checkpointing", action="store_true",
+                       help="activation checkpointing of every decoder layer (HF, non-reentrant) for all methods")
     shape.add_argument("--tie", action="store_true", help="tie input embeddings and lm_head (Qwen2.5-0.5B/1.5B style)")
     shape.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager"),
                        help="transformers attention implementation (default sdpa)")
@@ -150,6 +152,9 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     )
     torch.manual_seed(args.seed)
     model = Qwen2ForCausalLM(cfg).float().to(args.device)
+    if args.checkpointing:
+        # non-reentrant: recomputation recreates LoGRA's P = X Aᵀ, the sketch is added once
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
 
@@ -375,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         "--device", args.device,
         "--autocast", args.autocast, "--adamw-impl", args.adamw_impl, "--threads", str(args.threads),
         "--seed", str(args.seed),
-    ] + (["--tie"] if args.tie else [])
+    ] + (["--tie"] if args.tie else []) + (["--checkpointing"] if args.checkpointing else [])
     results = []
     for method in methods:
         _log(method, "starting worker process")
@@ -384,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = (f"Qwen2 random init, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
              f"intermediate {args.intermediate}, vocab {args.vocab}{' (tied)' if args.tie else ''}, fp32 weights; "
              f"batch {args.batch} × {args.seq} tokens; rank {args.rank}; compute {args.autocast}; "
+             f"activation checkpointing {'on' if args.checkpointing else 'off'}; "
              f"device {args.device}; {args.threads} thread(s); 1 warm-up + {args.repeats} timed + "
              f"{args.memory_repeats} memory-tracked step(s) per method, one process per method. Step time: "
              "median of the untracked steps; 'fwd+bwd / opt' splits it into forward+backward and "
