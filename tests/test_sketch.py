@@ -110,7 +110,6 @@ def test_memtracker_sees_no_dense_target_gradients():
     opt = LoGRAOptimizer(model, LoGRAConfig(rank=4))
     with track_memory(model, opt) as report:
         for s in range(2):
-            report.new_iteration()
             model(**token_batch(97, seed=s)).loss.backward()
     # the only 'gradient' memory is the sketch buffer: Σ out · r · 4 bytes
     assert report.peak_by_category["gradients"] == opt.sketch_buffer.numel() * 4

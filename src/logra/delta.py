@@ -96,7 +96,7 @@ def weights_checksum(model: nn.Module, names: list[str] | None = None) -> str:
     for name in sorted(names if names is not None else params):
         t = params[name].detach()
         h.update(name.encode())
-        h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.cpu().contiguous().view(torch.uint8).numpy())  # buffer protocol: no extra copy
     return h.hexdigest()
 
 

@@ -293,7 +293,13 @@ class KLController:
             "mismatch_floor": self.mismatch_floor, "mismatch": self.mismatch,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict`."""
-        for key, value in state.items():
-            setattr(self, key, value)
+    def load_state_dict(self, state: dict[str, Any], settings: bool = False) -> None:
+        """Restore the mismatch EMA of `state_dict` (and its settings too if ``settings``).
+
+        By default the settings given to the constructor win, so a resumed run can
+        change its budget on purpose.
+        """
+        self.mismatch = state["mismatch"]
+        if settings:
+            for key, value in state.items():
+                setattr(self, key, value)

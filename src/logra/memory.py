@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,6 +67,16 @@ class _Tracker(MemTracker):
             register_optimizer_step_post_hook(post),
         )
 
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:  # type: ignore[override]
+        # Upstream refuses a second top-level forward of the same module (a new training
+        # step, generation, a KL probe). We only report global peaks, which per-module
+        # statistics do not affect, so start a new set of them instead.
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
+
     def _record_grad(self, grad: torch.Tensor) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
@@ -93,17 +104,6 @@ class MemoryReport:
     peak_rss: int = 0
     cuda_max_allocated: int | None = None
 
-    _tracker: MemTracker | None = field(default=None, repr=False)
-
-    def new_iteration(self) -> None:
-        """Call between repeated forward passes of the same model inside one region.
-
-        MemTracker keys its module statistics by call; this starts a new set while the
-        global peak keeps accumulating.
-        """
-        if self._tracker is not None:
-            self._tracker.reset_mod_stats()
-
     def gib(self) -> dict[str, float]:
         """The figures in GiB, flat, for tables and logs."""
         out = {f"{k}_gib": v / GIB for k, v in self.peak_by_category.items()}
@@ -124,7 +124,9 @@ def peak_rss_bytes() -> int:
 def track_memory(*external: nn.Module | torch.optim.Optimizer | torch.Tensor, device: torch.device | str | None = None) -> Iterator[MemoryReport]:
     """Track every tensor allocated in the block plus the given modules and optimizers.
 
-    Yields a `MemoryReport` that is filled in when the block exits::
+    The block may run any number of steps, generations and probes; the report holds
+    the peak over all of them. Yields a `MemoryReport` that is filled in when the block
+    exits::
 
         with track_memory(model, optimizer) as report:
             loss = model(**batch).loss; loss.backward(); optimizer.step()
@@ -136,7 +138,7 @@ def track_memory(*external: nn.Module | torch.optim.Optimizer | torch.Tensor, de
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     tracker = _Tracker()
-    report = MemoryReport(_tracker=tracker)
+    report = MemoryReport()
     tracker.track_external(*[x for x in external if x is not None])
     for x in external:
         # Optimizers whose state lives outside `optimizer.state` (LoGRA's sketch buffer,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .config import LoGRAConfig
-from .delta import PolicyDelta, merge_update
+from .delta import PolicyDelta, merge_update, set_policy_step
 from .errors import NonFiniteSketchError, StaleProposalError
 from .projection import make_projection, projection_index, projection_seed
 from .sketch import SketchSet
@@ -49,7 +49,7 @@ def row_adam_direction(
     return d, v_new
 
 
-def sketch_update_sq_norm(d: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+def _sketch_update_sq_norm(d: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     """``‖D A‖_F²`` from the ``r×r`` Gram matrix ``A Aᵀ``, without forming ``D A``."""
     return ((d @ gram) * d).sum()
 
@@ -191,7 +191,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         group = self.param_groups[0]
         targets = self._sketches.targets
         grams = {n: t.projection @ t.projection.T for n, t in targets.items()}
-        sq = sum(sketch_update_sq_norm(t.sketch, grams[n]) for n, t in targets.items())
+        sq = sum(_sketch_update_sq_norm(t.sketch, grams[n]) for n, t in targets.items())
         sq = sq + sum(g.square().sum() for g in dense_grads)
         sketch_norm = math.sqrt(max(float(sq), 0.0))
         clip = 1.0
@@ -206,7 +206,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                     s, self._second_moments[name], t_next, group["beta2"], group["eps"])
             else:
                 directions[name] = s.clone()
-        update_sq = float(sum(sketch_update_sq_norm(directions[n], grams[n]) for n in targets))
+        update_sq = float(sum(_sketch_update_sq_norm(directions[n], grams[n]) for n in targets))
         decay = 0.0
         if group["update_ratio"] is not None:
             weight_norm = float(torch.linalg.vector_norm(
@@ -266,6 +266,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             sync=self.config.sync_fields(), factors=factors, decay=decay,
         )
         self._step += 1
+        set_policy_step(self.model, self._step)
         self._refresh_projections()
         self._sketches.zero_()
         return delta
@@ -320,6 +321,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if self._dense is not None:
             self._dense.load_state_dict(state_dict["non_target"])
         self._step = state_dict["num_updates"]
+        set_policy_step(self.model, self._step)
         self._sketches.zero_()
         self._refresh_projections()
 

@@ -108,34 +108,37 @@ class _SketchedEmbedding(torch.autograd.Function):
 
 
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # module.weight, not t.weight: wrappers such as FSDP swap in the gathered weight.
     t: SketchTarget = module._logra_target
+    w = module.weight
     if t._probe is not None:
         eps, d, decay = t._probe
-        y = F.linear(x, t.weight)
+        y = F.linear(x, w)
         # d/dε of X W(ε)ᵀ with W(ε) = (1 - ε·decay) W - ε D A.
         change = F.linear(F.linear(x, t.projection.to(x.dtype)), d.to(x.dtype))
         if decay:
             change = change + decay * y
         y = y - eps * change
     elif torch.is_grad_enabled():
-        y = _SketchedLinear.apply(x, t._anchor, t.weight, t)
+        y = _SketchedLinear.apply(x, t._anchor, w, t)
     else:
-        return F.linear(x, t.weight, module.bias)
+        return F.linear(x, w, module.bias)
     return y if module.bias is None else y + module.bias.to(y.dtype)
 
 
 def _embedding_forward(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     t: SketchTarget = module._logra_target
+    w = module.weight
     if t._probe is not None:
         eps, d, decay = t._probe
-        y = F.embedding(ids, t.weight, module.padding_idx)
+        y = F.embedding(ids, w, module.padding_idx)
         change = F.embedding(ids, d) @ t.projection
         if decay:
             change = change + decay * y
         return y - eps * change.to(y.dtype)
     if torch.is_grad_enabled():
-        return _SketchedEmbedding.apply(ids, t._anchor, t.weight, t, module.padding_idx)
-    return F.embedding(ids, t.weight, module.padding_idx)
+        return _SketchedEmbedding.apply(ids, t._anchor, w, t, module.padding_idx)
+    return F.embedding(ids, w, module.padding_idx)
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:

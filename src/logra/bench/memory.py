@@ -241,8 +241,6 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
     tracked_times: list[float] = []
     with track_memory(model, opt, device=device) as report:
         for i in range(args.memory_repeats):
-            if i:
-                report.new_iteration()
             loss, fb, st = _train_step(model, opt, batch, autocast, device)
             losses.append(loss)
             tracked_times.append(fb + st)
