@@ -164,3 +164,36 @@ def test_bad_input_is_refused_before_work(tmp_path):
         train_main(["--resume", str(tmp_path / "nothing")])
     with pytest.raises(ValueError, match="responses_per_prompt"):
         RLConfig(algorithm="grpo", responses_per_prompt=1)
+
+
+def _dp_rank(rank: int, world: int, store: str, root: str) -> None:
+    import torch.distributed as dist
+
+    from logra import weights_checksum
+    from logra.distributed import init_local
+
+    init_local(rank, world, store)
+    try:
+        model, tok = _policy()
+        cfg = _config(__import__("pathlib").Path(root), updates=2)
+        trainer = RLTrainer(cfg, model=model, tokenizer=tok, task=VowelTask(), progress=False)
+        trainer.train()
+        digest = weights_checksum(trainer.model)
+        (__import__("pathlib").Path(root) / f"digest{rank}").write_text(digest)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_two_ranks_stay_identical(tmp_path):
+    """Two ranks split the prompts, all-reduce one sketch buffer and apply the same step."""
+    from logra.distributed import spawn_local
+
+    assert spawn_local(_dp_rank, 2, args=(str(tmp_path),), timeout=300) == [0, 0]
+    assert (tmp_path / "digest0").read_text() == (tmp_path / "digest1").read_text()
+    model, _ = _policy()
+    from logra import weights_checksum
+
+    assert weights_checksum(model) != (tmp_path / "digest0").read_text()  # the policy moved
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in rows if r["kind"] == "train"] == [0, 1]
+    assert (tmp_path / "run" / "checkpoint" / "rng-rank1.pt").exists()

@@ -607,9 +607,11 @@ def estimate(
             rows += v * (1 if shape.tie_embeddings else 2)
             cols += h * (1 if shape.tie_embeddings else 2)
         sketch, moments, projections = rows * rank * 4, rows * 4, cols * rank * 4
-        # propose(): directions D, new moments and every target's r×r Gram matrix A Aᵀ
+        # propose(): directions D, new moments, every target's r×r Gram matrix A Aᵀ and
+        # one target's squared sketch; apply(): the bf16 factors U kept for the PolicyDelta
         n_targets = 7 * L + (0 if m == "logra-freeze" else (1 if shape.tie_embeddings else 2))
-        step_scratch += sketch + moments + n_targets * rank * rank * 4
+        widest = max(inter, h, v if m == "logra-sketch" else 0)
+        step_scratch += sketch + rows * rank * 2 + moments + n_targets * rank * rank * 4 + widest * rank * 4
 
     # ---- activations and temporaries
     saved = predict_saved_activations(
@@ -623,7 +625,8 @@ def estimate(
         logits_temp = 3 * chunk * v * 4
     layer_scratch = 3 * n_tok * inter * cb + n_tok * h * rs
     if checkpointing:
-        boundaries = L * n_tok * h * rs
+        # each layer's checkpointed input, plus one more [N, hidden] that stays alive (measured)
+        boundaries = (L + 1) * n_tok * h * rs
         # the recomputed layer's first norm saves the checkpointed input itself
         recomputed = saved.layers[-1] - (4 * h * n_tok if rs == 4 else 0)
         acts_loss = saved.embed + boundaries + head_saved + (saved.layers[0] - saved.layers[-1])

@@ -24,6 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .config import LoGRAConfig
+from .distributed import allreduce_sketches, global_token_count, init_from_env, verify_projections
 from .kl import DenseProposal, KLController, predicted_kl, probe_logits, realized_kl
 from .memory import GIB, peak_rss_bytes
 from .optimizer import LoGRAOptimizer
@@ -104,8 +105,9 @@ class RLConfig:
         cache_dir: where the embedded policy's warm start is cached.
         seed: seed of sampling and problem order.
         tensorboard: also write TensorBoard event files.
-        device: 'auto', 'cpu' or 'cuda[:i]'.
-        threads: CPU threads for torch (0 = torch's default).
+        device: 'auto', 'cpu' or 'cuda[:i]' (under data parallelism: each rank's own device).
+        threads: CPU threads for torch (0 = torch's default; split between ranks with dp).
+        dp: data-parallel processes to spawn on this machine (or launch with torchrun).
     """
 
     model: str = ""
@@ -143,6 +145,7 @@ class RLConfig:
     tensorboard: bool = False
     device: str = "auto"
     threads: int = 0
+    dp: int = 1
 
     def __post_init__(self) -> None:
         choices = {"optimizer": ("logra", "adamw", "lora"), "algorithm": ("grpo", "reinforce"),
@@ -157,6 +160,8 @@ class RLConfig:
                 raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.algorithm == "grpo" and self.responses_per_prompt < 2:
             raise ValueError("GRPO needs responses_per_prompt >= 2 (advantages are group-normalised)")
+        if self.dp < 1 or self.prompts_per_update % self.dp:
+            raise ValueError(f"prompts_per_update ({self.prompts_per_update}) must be a multiple of dp ({self.dp})")
         if self.eval_samples < 4:
             raise ValueError("eval_samples must be >= 4 to estimate Pass@4")
         if not 0 < self.temperature or not 0 < self.top_p <= 1:
@@ -233,6 +238,35 @@ def _cosine_lambda(total: int):
     return lambda step: 0.5 * (1 + math.cos(math.pi * min(step / max(total, 1), 1.0)))
 
 
+class _StopAtBoundary:
+    """Ctrl-C finishes the current update, then the loop checkpoints and stops cleanly.
+
+    A second Ctrl-C interrupts at once. Only the main thread can install the handler;
+    elsewhere Ctrl-C keeps its default behaviour.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nCtrl-C: finishing this update, then writing a checkpoint (Ctrl-C again to abort)", flush=True)
+
+    def __enter__(self) -> _StopAtBoundary:
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 class _MetricsLog:
     """metrics.jsonl (and optionally TensorBoard) in the run directory."""
 
@@ -277,10 +311,15 @@ class RLTrainer:
         progress: bool = True,
     ) -> None:
         self.config = config
-        self.progress = progress
+        self.dist = init_from_env()
+        self.rank, self.world = self.dist.rank, self.dist.world_size
+        if config.prompts_per_update % self.world:
+            raise ValueError(f"prompts_per_update ({config.prompts_per_update}) must be a multiple of the "
+                             f"world size ({self.world})")
+        self.progress = progress and self.rank == 0
         if config.threads:
-            torch.set_num_threads(config.threads)
-        self.device = _resolve_device(config.device)
+            torch.set_num_threads(max(1, config.threads // self.world))
+        self.device = self.dist.device if self.dist.backend == "nccl" else _resolve_device(config.device)
         self.task = task or build_task(config)
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -296,6 +335,10 @@ class RLTrainer:
 
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self._build_optimizer()
+        if self.world > 1 and isinstance(self.optimizer, LoGRAOptimizer):
+            verify_projections(self.optimizer)
+        # each rank samples its own responses; a fixed function of (seed, rank)
+        torch.manual_seed(config.seed * 1_000 + self.rank)
         self.controller = KLController(
             budget=config.kl.budget, budget_final=config.kl.budget_final, schedule_steps=config.kl.schedule_steps,
             schedule=config.kl.schedule, alpha_max=config.kl.alpha_max, mismatch_ema=config.kl.mismatch_ema,
@@ -354,7 +397,8 @@ class RLTrainer:
         if not hasattr(self, "_pool"):
             self._pool = self.task.problems("train", max(2000, 4 * self.config.prompts_per_update), seed=self.config.seed)
         rng = random.Random(self.config.seed * 1_000_003 + update)
-        return rng.sample(self._pool, self.config.prompts_per_update)
+        chosen = rng.sample(self._pool, self.config.prompts_per_update)
+        return chosen[self.rank:: self.world]  # whole groups per rank
 
     def _score(self, problems: list[Problem], texts: list[str]) -> torch.Tensor:
         return torch.tensor([self.task.score(p, t) for p, t in zip(problems, texts)], dtype=torch.float32)
@@ -379,8 +423,11 @@ class RLTrainer:
         t_rollout = time.perf_counter()
 
         adv = advantages(rewards, cfg.responses_per_prompt, cfg.algorithm, self.baseline).to(self.device)
-        self.baseline = cfg.baseline_decay * self.baseline + (1 - cfg.baseline_decay) * float(rewards.mean())
-        n_tokens = int(rollout.response_mask.sum())
+        n_local = len(rollout)
+        reward_sum, correct, n_all = self._sum([float(rewards.sum()), sum(is_correct(r) for r in rewards.tolist()),
+                                                n_local])
+        self.baseline = cfg.baseline_decay * self.baseline + (1 - cfg.baseline_decay) * reward_sum / n_all
+        n_tokens = global_token_count(int(rollout.response_mask.sum()))
         self.model.train()
         loss_sum, clip_sum, mismatch_sum = 0.0, 0.0, 0.0
         for start in range(0, len(rollout), cfg.micro_batch):
@@ -399,6 +446,10 @@ class RLTrainer:
             with torch.no_grad():  # k3 estimate of KL(rollout ‖ trainer) on the sampled tokens
                 log_r = (logp.detach() - mb.logprobs) * mb.response_mask
                 mismatch_sum += float(((torch.exp(log_r) - log_r - 1) * mb.response_mask).sum())
+        if self.world > 1:
+            self._allreduce_gradients()
+        loss_sum, clip_sum, mismatch_sum, trunc = self._sum(
+            [loss_sum, clip_sum, mismatch_sum, float(rollout.truncated.float().sum())])
         mismatch = mismatch_sum / n_tokens
         self.controller.observe_mismatch(mismatch)
         t_backward = time.perf_counter()
@@ -406,10 +457,9 @@ class RLTrainer:
         record = self._apply_update(rollout)
         t_apply = time.perf_counter()
         record.update({
-            "kind": "train", "update": self.update, "reward": float(rewards.mean()),
-            "pass_rate": float(sum(is_correct(r) for r in rewards.tolist()) / len(rewards)),
-            "loss": loss_sum / n_tokens, "response_len": n_tokens / len(rollout),
-            "truncation_rate": float(rollout.truncated.float().mean()), "clip_frac": clip_sum / n_tokens,
+            "kind": "train", "update": self.update, "reward": reward_sum / n_all, "pass_rate": correct / n_all,
+            "loss": loss_sum / n_tokens, "response_len": n_tokens / n_all,
+            "truncation_rate": trunc / n_all, "clip_frac": clip_sum / n_tokens,
             "mismatch_kl": mismatch, "time_rollout": t_rollout - t0, "time_train": t_backward - t_rollout,
             "time_sync": t_apply - t_backward, "time_update": t_apply - t0,
             "reward_failures": getattr(self.task, "failures", 0),
@@ -430,11 +480,17 @@ class RLTrainer:
             extra = {"update_norm": math.sqrt(sum(float(d.float().square().sum()) for d in proposal.displacements.values()))}
         probe = rollout.select(slice(0, min(cfg.kl.probe_responses, len(rollout))))
         args = (probe.input_ids, probe.attention_mask, probe.response_mask)
+        # positions predicted_kl averages over, so ranks can pool their means exactly
+        n_probe = min(int(probe.response_mask[:, 1:].sum()), cfg.kl.probe_max_tokens)
         alpha, kl_hat = 1.0, float("nan")
+        t0 = time.perf_counter()
         if cfg.kl.enabled:
-            kl_hat = predicted_kl(self.model, proposal, *args, temperature=cfg.temperature,
-                                  max_tokens=cfg.kl.probe_max_tokens)
+            kl_local = predicted_kl(self.model, proposal, *args, temperature=cfg.temperature,
+                                    max_tokens=cfg.kl.probe_max_tokens)
+            kl_sum, n_sum = self._sum([kl_local * n_probe, n_probe])
+            kl_hat = kl_sum / n_sum
             alpha = self.controller.scale(kl_hat, self.update)
+        extra["time_kl"] = time.perf_counter() - t0
         before = probe_logits(self.model, *args, max_tokens=cfg.kl.probe_max_tokens)
         if isinstance(self.optimizer, LoGRAOptimizer):
             delta = self.optimizer.apply(proposal, alpha)
@@ -444,12 +500,42 @@ class RLTrainer:
             extra["delta_bytes"] = sum(p.numel() * 2 for p in self.model.parameters() if p.requires_grad)
         self.optimizer.zero_grad(set_to_none=True)
         after = probe_logits(self.model, *args, max_tokens=cfg.kl.probe_max_tokens)
+        real_sum, n_sum = self._sum([realized_kl(before, after, cfg.temperature) * n_probe, n_probe])
         extra.update({
             "predicted_kl": kl_hat * alpha**2 if cfg.kl.enabled else float("nan"), "predicted_kl_full": kl_hat,
             "alpha": alpha, "budget": self.controller.effective_budget(self.update),
-            "realized_kl": realized_kl(before, after, cfg.temperature),
+            "realized_kl": real_sum / n_sum,
         })
         return extra
+
+    # ------------------------------------------------------------- data parallelism
+    def _stop_requested(self, stop: _StopAtBoundary) -> bool:
+        """Ranks agree on stopping (Ctrl-C reaches them at slightly different times)."""
+        if self.world == 1:
+            return stop.requested
+        stop.requested = self._sum([float(stop.requested)])[0] > 0
+        return stop.requested
+
+    def _sum(self, values: list[float]) -> list[float]:
+        """Sum scalars over ranks (identity in one process)."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t)
+        return t.tolist()
+
+    def _allreduce_gradients(self) -> None:
+        """One collective for LoGRA's sketch buffer; dense baselines reduce their gradients."""
+        if isinstance(self.optimizer, LoGRAOptimizer):
+            allreduce_sketches(self.optimizer)
+            return
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])
+        torch.distributed.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def _memory(self) -> dict[str, float]:
         if self.device.type == "cuda":
@@ -484,8 +570,17 @@ class RLTrainer:
 
     # ------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
-        """Weights (safetensors) + optimizer, controller, scheduler and RNG state."""
+        """Weights (safetensors) + optimizer, controller, scheduler and RNG state.
+
+        Under data parallelism rank 0 writes the checkpoint and every rank its RNG state.
+        """
         path = self.run_dir / _CHECKPOINT
+        if self.world > 1:
+            torch.save(torch.random.get_rng_state(), self.run_dir / f"rng-rank{self.rank}.pt")
+            torch.distributed.barrier()
+            if self.rank != 0:
+                torch.distributed.barrier()
+                return path
         tmp = self.run_dir / (_CHECKPOINT + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
         save_model(self.model, str(tmp / "model.safetensors"))
@@ -501,6 +596,10 @@ class RLTrainer:
 
             shutil.rmtree(path)
         tmp.rename(path)
+        if self.world > 1:
+            for rank in range(self.world):
+                (self.run_dir / f"rng-rank{rank}.pt").rename(path / f"rng-rank{rank}.pt")
+            torch.distributed.barrier()
         return path
 
     def load_checkpoint(self) -> None:
@@ -512,8 +611,11 @@ class RLTrainer:
         self.controller.load_state_dict(state["controller"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        torch.random.set_rng_state(state["rng"])
+        rng = path / f"rng-rank{self.rank}.pt"
+        torch.random.set_rng_state(torch.load(rng, weights_only=True) if self.world > 1 else state["rng"])
         self.update, self.baseline = state["update"], state["baseline"]
+        if self.rank != 0:
+            return
         # drop metrics written after the checkpoint, so the log matches the resumed run
         kept = [r for r in self.log.read() if r["update"] < self.update or (r["kind"] == "eval" and r["update"] == self.update)]
         self.log.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -522,17 +624,18 @@ class RLTrainer:
     def train(self) -> dict[str, Any]:
         """Run the remaining updates with evaluations, checkpoints, plots and a summary."""
         cfg = self.config
-        (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        if self.rank == 0:
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         if self.update == 0:
             self._evaluate_and_log()
         bar = tqdm(total=cfg.updates, initial=self.update, desc="logra train", disable=not self.progress,
                    dynamic_ncols=True)
-        interrupted = False
-        previous = signal.getsignal(signal.SIGINT)
-        try:
-            while self.update < cfg.updates:
+        stop = _StopAtBoundary()
+        with stop:
+            while self.update < cfg.updates and not self._stop_requested(stop):
                 record = self.train_step()
-                self.log.write(record)
+                if self.rank == 0:
+                    self.log.write(record)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record['realized_kl']:.1e}",
                                 alpha=f"{record['alpha']:.2f}", s=f"{record['time_update']:.1f}")
@@ -540,22 +643,24 @@ class RLTrainer:
                     self._evaluate_and_log(bar)
                 if cfg.checkpoint_every and self.update % cfg.checkpoint_every == 0:
                     self.save_checkpoint()
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            bar.close()
-            signal.signal(signal.SIGINT, previous)
-        if interrupted:
+        bar.close()
+        if stop.requested:
             path = self.save_checkpoint()
-            print(f"interrupted at update {self.update}; checkpoint written to {path}; resume with "
-                  f"`logra train --resume {self.run_dir}`")
+            if self.rank == 0:
+                print(f"interrupted: checkpoint at update {self.update} written to {path}; continue with "
+                      f"`logra train --resume {self.run_dir}`")
             return {"interrupted": True, "update": self.update}
         self._evaluate_and_log()
         self.save_checkpoint()
-        return self._finish()
+        return self._finish() if self.rank == 0 else {"rank": self.rank, "updates": self.update}
 
-    def _evaluate_and_log(self, bar: tqdm | None = None) -> dict[str, Any]:
+    def _evaluate_and_log(self, bar: tqdm | None = None) -> dict[str, Any] | None:
+        if self.rank != 0:  # the policy is identical on every rank; rank 0 evaluates it
+            torch.distributed.barrier()
+            return None
         result = self.evaluate()
+        if self.world > 1:
+            torch.distributed.barrier()
         self.log.write(result)
         message = (f"eval @ update {result['update']}: pass@1 {result['pass@1']:.3f} ± {result['pass@1_stderr']:.3f}"
                    f"  pass@4 {result['pass@4']:.3f}  reward {result['reward']:.3f}")

@@ -174,14 +174,38 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclasses.replace(wanted, run_dir=args.resume)
     else:
         config = build_config(values)
+    if config.dp > 1:
+        from .distributed import spawn_local
+
+        codes = spawn_local(_dp_rank, config.dp, args=(config, bool(args.resume), args.quiet), timeout=7 * 24 * 3600)
+        if any(codes):
+            raise SystemExit(f"logra train: data-parallel ranks exited with codes {codes}")
+        return 0
+    _run(config, bool(args.resume), args.quiet)
+    return 0
+
+
+def _run(config: RLConfig, resume: bool, quiet: bool) -> None:
     try:
-        trainer = RLTrainer(config, progress=not args.quiet)
+        trainer = RLTrainer(config, progress=not quiet)
     except ValueError as e:
         raise SystemExit(f"logra train: {e}") from None
-    if args.resume:
+    if resume:
         trainer.load_checkpoint()
     trainer.train()
-    return 0
+
+
+def _dp_rank(rank: int, world: int, store: str, config: RLConfig, resume: bool, quiet: bool) -> None:
+    """One data-parallel rank spawned by ``logra train --dp N``."""
+    import torch.distributed as dist
+
+    from .distributed import init_local
+
+    init_local(rank, world, store)
+    try:
+        _run(config, resume, quiet)
+    finally:
+        dist.destroy_process_group()
 
 
 def _coerce_saved(value: Any) -> Any:

@@ -13,9 +13,10 @@ peak includes that state), then
    with ``time.perf_counter``, untracked: MemTracker is a ``TorchDispatchMode`` whose
    per-op bookkeeping costs differ between methods (LoGRA's step issues many more
    small ops than a dense AdamW step), so tracked steps would not time the method;
-2. runs ``--memory-repeats`` (default: ``--repeats``) full steps inside
-   `logra.memory.track_memory` for the peak by category (their times are kept in the
-   JSON as ``tracked_step_times``).
+2. runs ``--memory-repeats`` (default: ``--repeats``) full steps, each inside its own
+   `logra.memory.track_memory` region, for the peak by category (the step with the
+   highest peak; every step's peak is kept in the JSON as ``tracked_step_peaks``, their
+   times as ``tracked_step_times``).
 
 The parent prints one markdown table and the issue's targets as PASS/FAIL lines.
 
@@ -206,8 +207,22 @@ def _log(method: str, message: str) -> None:
     print(f"[bench memory] {method}: {message}", file=sys.stderr, flush=True)
 
 
-def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], None] = _log) -> dict[str, Any]:
-    """Measure one method in this process; returns the raw numbers (bytes, seconds)."""
+#: Builds a method's optimizer on the model; returns the model to train (a wrapper such as
+#: a peft model may replace it) and the optimizer.
+Setup = Callable[[str, nn.Module, argparse.Namespace], tuple[nn.Module, torch.optim.Optimizer]]
+
+
+def _default_setup(method: str, model: nn.Module, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
+    return model, build_optimizer(method, model, args)
+
+
+def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], None] = _log,
+               setup: Setup = _default_setup) -> dict[str, Any]:
+    """Measure one method in this process; returns the raw numbers (bytes, seconds).
+
+    ``setup`` builds the optimizer (default: `build_optimizer`); other benchmarks pass
+    their own to measure more methods with the same model, batch and step loop.
+    """
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
@@ -219,10 +234,11 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
     n_params = sum(p.numel() for p in model.parameters())
     log(method, f"built model, {n_params / 1e6:.1f}M parameters ({time.perf_counter() - t0:.1f} s)")
     batch = make_batch(args)
-    opt = build_optimizer(method, model, args)
+    model, opt = setup(method, model, args)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     loss, fb, st = _train_step(model, opt, batch, autocast, device)
+    warmup_time = fb + st
     log(method, f"warm-up step {fb + st:.2f} s (loss {loss:.3f})")
     gc.collect()
 
@@ -239,12 +255,18 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
     gc.collect()
 
     tracked_times: list[float] = []
-    with track_memory(model, opt, device=device) as report:
-        for i in range(args.memory_repeats):
+    # One tracker region per step: each step's own peak (and CUDA peak) is known, and the
+    # region with the highest peak gives the breakdown by category.
+    reports = []
+    for i in range(args.memory_repeats):
+        with track_memory(model, opt, device=device) as step_report:
             loss, fb, st = _train_step(model, opt, batch, autocast, device)
-            losses.append(loss)
-            tracked_times.append(fb + st)
-            log(method, f"tracked step {i + 1}/{args.memory_repeats} {fb + st:.2f} s")
+        reports.append(step_report)
+        losses.append(loss)
+        tracked_times.append(fb + st)
+        log(method, f"tracked step {i + 1}/{args.memory_repeats} {fb + st:.2f} s")
+    report = max(reports, key=lambda r: r.peak_total)
+    cuda_steps = [r.cuda_max_allocated for r in reports] if device.type == "cuda" else None
 
     result: dict[str, Any] = {
         "method": method,
@@ -252,8 +274,11 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
         "trainable_params": trainable,
         "peak_by_category": dict(report.peak_by_category),
         "tracked_peak": report.peak_total,
-        "rss_peak": report.peak_rss,
-        "cuda_max_allocated": report.cuda_max_allocated,
+        "tracked_step_peaks": [r.peak_total for r in reports],
+        "rss_peak": reports[-1].peak_rss,
+        "cuda_max_allocated": max(cuda_steps) if cuda_steps else None,
+        "cuda_step_max_allocated": cuda_steps,
+        "warmup_step_time": warmup_time,
         "step_times": times,
         "step_time_median": statistics.median(times),
         "forward_backward_median": statistics.median(p[0] for p in phases),
@@ -281,11 +306,29 @@ def _worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spawn(method: str, argv: list[str]) -> dict[str, Any]:
-    """Run one method in a fresh interpreter and read back its JSON."""
-    with tempfile.TemporaryDirectory(prefix="logra-bench-memory-") as tmp:
+class WorkerError(RuntimeError):
+    """A worker process exited without a result.
+
+    Attributes:
+        method: the method it measured.
+        returncode: its exit status (negative: killed by that signal).
+        last_line: the last line it printed (for a Python exception, ``Type: message``).
+    """
+
+    def __init__(self, method: str, returncode: int, last_line: str) -> None:
+        self.method, self.returncode, self.last_line = method, returncode, last_line
+        super().__init__(f"worker for {method!r} failed with exit code {returncode}: {last_line}")
+
+
+def _spawn(method: str, argv: list[str], module: str = "logra.bench.memory") -> dict[str, Any]:
+    """Run one method in a fresh interpreter (``python -m module``) and read back its JSON.
+
+    Raises `WorkerError` if the worker fails.
+    """
+    with tempfile.TemporaryDirectory(prefix="logra-bench-") as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "logra.bench.memory", *argv, "--worker", method, "--worker-out", str(out)]
+        cmd = [sys.executable, "-m", module, *argv, "--worker", method, "--worker-out", str(out)]
+        last = ""
         # Everything the worker prints (progress, library chatter) is relayed line by line to
         # our sys.stderr, so the table on stdout stays clean and captured stderr still works.
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -294,8 +337,9 @@ def _spawn(method: str, argv: list[str]) -> dict[str, Any]:
             for line in proc.stdout:
                 sys.stderr.write(line)
                 sys.stderr.flush()
+                last = line.strip() or last
         if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"worker for {method!r} failed with exit code {proc.returncode}")
+            raise WorkerError(method, proc.returncode, last)
         return json.loads(out.read_text())
 
 
