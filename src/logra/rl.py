@@ -491,7 +491,9 @@ class RLTrainer:
             kl_hat = kl_sum / n_sum
             alpha = self.controller.scale(kl_hat, self.update)
         extra["time_kl"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
         before = probe_logits(self.model, *args, max_tokens=cfg.kl.probe_max_tokens)
+        t2 = time.perf_counter()
         if isinstance(self.optimizer, LoGRAOptimizer):
             delta = self.optimizer.apply(proposal, alpha)
             extra["delta_bytes"] = delta.nbytes
@@ -499,8 +501,10 @@ class RLTrainer:
             proposal.apply(alpha)
             extra["delta_bytes"] = sum(p.numel() * 2 for p in self.model.parameters() if p.requires_grad)
         self.optimizer.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
         after = probe_logits(self.model, *args, max_tokens=cfg.kl.probe_max_tokens)
         real_sum, n_sum = self._sum([realized_kl(before, after, cfg.temperature) * n_probe, n_probe])
+        extra["time_check"] = (t2 - t1) + (time.perf_counter() - t3)  # realised-KL logging only
         extra.update({
             "predicted_kl": kl_hat * alpha**2 if cfg.kl.enabled else float("nan"), "predicted_kl_full": kl_hat,
             "alpha": alpha, "budget": self.controller.effective_budget(self.update),

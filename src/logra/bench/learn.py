@@ -1,0 +1,455 @@
+"""``logra bench learn``: LoGRA vs dense AdamW vs LoRA on the embedded RL recipe, over seeds.
+
+The shape of the paper's Table 1 / Table 2 on our task: every (method, seed) runs
+``python -m logra.cli train --optimizer METHOD --seed SEED ...`` in its own process (so
+peak-RSS / CUDA-peak figures of one run never mix with another's), then this command
+reads each run's ``metrics.jsonl`` and prints
+
+* a markdown table per method: peak Pass@1 and Pass@4 over all evaluations
+  (update 0 included, as in the paper), memory (peak RSS on CPU, CUDA max allocated on
+  GPU, the maximum over updates of the per-update figure the trainer logs) and
+  updates/hour (``3600 × updates / Σ time_update``), each as mean ± sample standard
+  deviation over seeds;
+* the verdict for the target "LoGRA's peak Pass@1 is within noise of (or above) dense
+  AdamW's". *Within noise* is defined as: ``mean_LoGRA − mean_AdamW > −2·SE`` with
+  ``SE = sqrt(s_L²/n_L + s_A²/n_A)`` the standard error of the difference of the two
+  seed means (``s`` = sample std of the per-seed peaks). With a single seed per method
+  the per-run evaluation standard error of the peak evaluation (``pass@1_stderr``,
+  over problems) stands in for ``s/√n``;
+* ``learning.png``: Pass@1 and Pass@4 against the update, mean ± one sample std band
+  over seeds, thin lines for the individual seeds.
+
+The dense and LoRA learning rate is ``--lr`` (default: ``RLConfig.lr``). ``--lr-sweep``
+first runs dense AdamW on the first seed at each listed value and uses the one with the
+best peak Pass@1 (ties: the better final Pass@1) for AdamW and LoRA (``--lora-lr``
+overrides LoRA's). Every flag this command does not know is passed to every
+``logra train`` run unchanged (e.g. ``--kl.budget 1e-3`` or ``--tiny.sft_steps 200``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from logra.rl import RLConfig  # noqa: E402
+
+#: Methods in table order; the first is LoGRA, compared against the second.
+METHODS: tuple[str, ...] = ("logra", "adamw", "lora")
+_LABELS = {"logra": "LoGRA", "adamw": "Dense AdamW", "lora": "LoRA"}
+#: The noise threshold of the verdict, in standard errors of the difference of means.
+NOISE_SE = 2.0
+_FULL = {"seeds": 3, "updates": RLConfig().updates, "eval_problems": RLConfig().eval_problems,
+         "eval_every": RLConfig().eval_every}
+
+
+# ----------------------------------------------------------------------- run summaries
+@dataclass
+class RunResult:
+    """What one finished run's ``metrics.jsonl`` says.
+
+    Attributes:
+        label: method or variant name the run belongs to.
+        seed: its seed.
+        run_dir: its run directory.
+        evals: evaluation rows (``update``, ``pass@1``, ``pass@1_stderr``, ``pass@4``, ...).
+        train: per-update rows (``reward``, ``realized_kl``, ``alpha``, ``time_update``, ...).
+    """
+
+    label: str
+    seed: int
+    run_dir: Path
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    train: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def peak_eval(self) -> dict[str, Any]:
+        """The evaluation with the highest Pass@1 (the earliest one on ties)."""
+        return max(self.evals, key=lambda e: (e["pass@1"], -e["update"]))
+
+    @property
+    def peak_pass1(self) -> float:
+        """Highest Pass@1 over all evaluations (update 0 included)."""
+        return self.peak_eval["pass@1"]
+
+    @property
+    def peak_pass4(self) -> float:
+        """Highest Pass@4 over all evaluations (update 0 included)."""
+        return max(e["pass@4"] for e in self.evals)
+
+    @property
+    def start_pass1(self) -> float:
+        """Pass@1 of the first evaluation (before any update)."""
+        return self.evals[0]["pass@1"]
+
+    @property
+    def final_pass1(self) -> float:
+        """Pass@1 of the last evaluation."""
+        return self.evals[-1]["pass@1"]
+
+    @property
+    def memory_key(self) -> str:
+        """``peak_mem_gib`` (CUDA max allocated) if the run was on a GPU, else ``peak_rss_gib``."""
+        return "peak_mem_gib" if self.train and "peak_mem_gib" in self.train[0] else "peak_rss_gib"
+
+    @property
+    def memory_gib(self) -> float:
+        """Largest per-update memory figure of the run (GiB)."""
+        return max(r[self.memory_key] for r in self.train) if self.train else float("nan")
+
+    @property
+    def updates_per_hour(self) -> float:
+        """``3600 × updates / Σ time_update`` (rollout, backward, KL control and apply)."""
+        total = sum(r["time_update"] for r in self.train)
+        return 3600.0 * len(self.train) / total if total > 0 else float("nan")
+
+    def series(self, key: str, kind: str = "eval") -> tuple[list[int], list[float]]:
+        """``(updates, values)`` of ``key`` over the eval or train rows."""
+        rows = self.evals if kind == "eval" else self.train
+        rows = [r for r in rows if key in r and r[key] is not None]
+        return [r["update"] for r in rows], [float(r[key]) for r in rows]
+
+
+def read_run(run_dir: str | Path, label: str, seed: int) -> RunResult:
+    """Load ``run_dir/metrics.jsonl`` into a `RunResult`.
+
+    Raises:
+        FileNotFoundError: the run wrote no metrics.
+        ValueError: the run has no evaluation rows.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    result = RunResult(label, seed, run_dir, [r for r in rows if r.get("kind") == "eval"],
+                       [r for r in rows if r.get("kind") == "train"])
+    if not result.evals:
+        raise ValueError(f"{path} has no evaluation rows")
+    return result
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (None for fewer than two values)."""
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return float("nan"), None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def format_pm(values: Sequence[float], scale: float = 1.0, digits: int = 2) -> str:
+    """``mean ± std`` (sample std over the values), or just the value for one."""
+    mean, std = mean_std([v * scale for v in values])
+    if math.isnan(mean):
+        return "-"
+    return f"{mean:.{digits}f}" if std is None else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def seed_mean_se(runs: Sequence[RunResult], metric: str = "peak_pass1") -> tuple[float, float]:
+    """Mean over seeds of a per-run figure and its standard error.
+
+    Two or more seeds: sample std / √n. One seed: the evaluation standard error of its
+    peak evaluation (problems are the only noise one run shows).
+    """
+    values = [getattr(r, metric) for r in runs]
+    mean, std = mean_std(values)
+    if std is not None:
+        return mean, std / math.sqrt(len(values))
+    return mean, float(runs[0].peak_eval.get("pass@1_stderr", float("nan")))
+
+
+def verdict(candidate: Sequence[RunResult], baseline: Sequence[RunResult], candidate_name: str = "LoGRA",
+            baseline_name: str = "dense AdamW") -> tuple[bool, str]:
+    """The target "candidate's peak Pass@1 within noise of (or above) the baseline's".
+
+    Within noise: ``mean_c − mean_b > −NOISE_SE · sqrt(SE_c² + SE_b²)`` (see `seed_mean_se`).
+    Returns ``(passed, line)``.
+    """
+    mc, sc = seed_mean_se(candidate)
+    mb, sb = seed_mean_se(baseline)
+    diff, se = mc - mb, math.hypot(sc, sb)
+    passed = diff >= 0 or diff > -NOISE_SE * se
+    how = "above" if diff >= 0 else ("within noise" if passed else "below, outside noise")
+    line = (f"{'PASS' if passed else 'FAIL'}: {candidate_name}'s peak Pass@1 within noise of (or above) "
+            f"{baseline_name}'s — {candidate_name} {mc:.3f} (n={len(candidate)}) vs {baseline_name} {mb:.3f} "
+            f"(n={len(baseline)}): difference {diff:+.3f}, {NOISE_SE:g}×SE of the difference = "
+            f"{NOISE_SE * se:.3f} → {how}")
+    return passed, line
+
+
+def _aligned(runs: Sequence[RunResult], key: str, kind: str = "eval") -> tuple[list[int], list[list[float]]]:
+    """Updates present in every run and the per-run values there."""
+    common = None
+    per_run = []
+    for r in runs:
+        x, y = r.series(key, kind)
+        per_run.append(dict(zip(x, y)))
+        common = set(x) if common is None else common & set(x)
+    updates = sorted(common or [])
+    return updates, [[d[u] for u in updates] for d in per_run]
+
+
+def plot_curves(groups: dict[str, Sequence[RunResult]], path: Path, title: str,
+                metrics: Sequence[str] = ("pass@1", "pass@4"), extra: Sequence[tuple[str, str, bool]] = ()) -> Path:
+    """Eval metrics (and optional train metrics) against the update, one colour per group.
+
+    Thick line = mean over seeds, band = ± one sample std (two or more seeds) or ± the
+    evaluation standard error (one seed, Pass@1 only), thin lines = individual seeds.
+    ``extra`` adds panels ``(train key, y label, log scale)`` from the per-update rows.
+    """
+    panels = len(metrics) + len(extra)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.8), squeeze=False)
+    axes = axes[0]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, runs) in enumerate(groups.items()):
+        color = colors[i % len(colors)]
+        for ax, key in zip(axes, metrics):
+            x, ys = _aligned(runs, key)
+            if not x:
+                continue
+            mean = [statistics.fmean(col) for col in zip(*ys)]
+            if len(ys) > 1:
+                std = [statistics.stdev(col) for col in zip(*ys)]
+                for y in ys:
+                    ax.plot(x, y, color=color, lw=0.6, alpha=0.45)
+            elif key == "pass@1":
+                std = runs[0].series("pass@1_stderr")[1]
+            else:
+                std = [0.0] * len(x)
+            ax.plot(x, mean, color=color, lw=2, marker="o", ms=3, label=f"{label} (n={len(ys)})")
+            ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                            color=color, alpha=0.18, lw=0)
+        for ax, (key, ylabel, log) in zip(axes[len(metrics):], extra):
+            x, ys = _aligned(runs, key, "train")
+            if not x:
+                continue
+            mean = [statistics.fmean(col) for col in zip(*ys)]
+            if log:
+                mean = [max(m, 1e-12) for m in mean]
+            ax.plot(x, mean, color=color, lw=1.5, label=label)
+            ax.set_ylabel(ylabel)
+            if log:
+                ax.set_yscale("log")
+    for ax, key in zip(axes, metrics):
+        ax.set_ylabel(f"held-out {key.replace('pass', 'Pass')}")
+    for ax in axes:
+        ax.set_xlabel("update")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_table(groups: dict[str, Sequence[RunResult]], lrs: dict[str, str] | None = None) -> str:
+    """The Table-1-shaped markdown table (mean ± sample std over seeds)."""
+    lrs = lrs or {}
+    any_cuda = any(r.memory_key == "peak_mem_gib" for runs in groups.values() for r in runs)
+    mem = "CUDA max allocated (GiB)" if any_cuda else "peak RSS (GiB)"
+    head = ["method", "n", "lr", mem, "updates/h", "Pass@1 start (%)", "peak Pass@1 (%)", "peak Pass@4 (%)",
+            "final Pass@1 (%)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, runs in groups.items():
+        row = [label, str(len(runs)), lrs.get(label, "-"),
+               format_pm([r.memory_gib for r in runs], digits=3),
+               format_pm([r.updates_per_hour for r in runs], digits=0),
+               format_pm([r.start_pass1 for r in runs], 100, 1),
+               format_pm([r.peak_pass1 for r in runs], 100, 1),
+               format_pm([r.peak_pass4 for r in runs], 100, 1),
+               format_pm([r.final_pass1 for r in runs], 100, 1)]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------- running
+def _log(message: str) -> None:
+    print(f"[bench learn] {message}", file=sys.stderr, flush=True)
+
+
+def _finished_with(run_dir: Path, wanted: dict[str, Any]) -> bool:
+    """Whether ``run_dir`` holds a finished run started with exactly ``wanted``."""
+    recorded = run_dir / "bench_args.json"
+    return ((run_dir / "summary.json").exists() and recorded.exists()
+            and json.loads(recorded.read_text()) == wanted)
+
+
+def run_train(run_dir: Path, args: Sequence[str], reuse: bool = False, timeout: float | None = None) -> Path:
+    """Run ``python -m logra.cli train ARGS --run_dir RUN_DIR --quiet`` in a fresh process.
+
+    The run directory is emptied first (metrics.jsonl is appended to, so a stale one
+    would mix runs). With ``reuse``, a finished run with identical arguments is kept.
+    Everything the run prints is relayed to our stderr.
+
+    Raises:
+        RuntimeError: the run failed.
+    """
+    run_dir = Path(run_dir)
+    wanted = {"args": list(args)}
+    if reuse and _finished_with(run_dir, wanted):
+        _log(f"reusing finished run {run_dir}")
+        return run_dir
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "logra.cli", "train", *args, "--run_dir", str(run_dir), "--quiet"]
+    _log("$ " + " ".join(cmd))
+    t0 = time.perf_counter()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        proc.wait(timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed with exit code {proc.returncode}")
+    (run_dir / "bench_args.json").write_text(json.dumps(wanted))
+    _log(f"finished {run_dir} in {time.perf_counter() - t0:.0f} s")
+    return run_dir
+
+
+def reduced_notes(values: dict[str, Any], full: dict[str, Any], passthrough: Sequence[str]) -> list[str]:
+    """How a run's settings differ from the full protocol (empty = the full protocol)."""
+    notes = [f"{k.replace('_', '-')} {values[k]} (full: {v})" for k, v in full.items() if values.get(k) != v]
+    if passthrough:
+        notes.append("extra `logra train` flags: " + " ".join(passthrough))
+    return notes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (``logra bench learn --help``)."""
+    d = RLConfig()
+    p = argparse.ArgumentParser(
+        prog="logra bench learn",
+        allow_abbrev=False,  # `--seed` etc. must reach `logra train`, not abbreviate our `--seeds`
+        description="LoGRA vs dense AdamW vs LoRA on the embedded RL recipe (RLConfig defaults), one "
+        "`logra train` process per (method, seed). Prints a Table-1-shaped markdown table (peak Pass@1 / "
+        "Pass@4, memory, updates/h; mean ± sample std over seeds), the verdict 'LoGRA's peak Pass@1 within "
+        f"noise of (or above) dense AdamW's' (difference > -{NOISE_SE:g} × the standard error of the "
+        "difference of seed means) and writes learning.png. Unknown flags are passed to every `logra train` "
+        "run.",
+    )
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--seeds", type=int, default=_FULL["seeds"], help="seeds per method: 0 .. N-1")
+    p.add_argument("--updates", type=int, default=_FULL["updates"], help="RL updates per run")
+    p.add_argument("--eval-problems", type=int, default=_FULL["eval_problems"],
+                   help="held-out problems per evaluation (4 samples each)")
+    p.add_argument("--eval-every", type=int, default=_FULL["eval_every"], help="evaluate every k updates")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate of dense AdamW and LoRA (cosine schedule)")
+    p.add_argument("--lora-lr", type=float, default=None, help="LoRA's learning rate (default: --lr, or the sweep's)")
+    p.add_argument("--lr-sweep", default="",
+                   help="comma-separated learning rates: run dense AdamW on the first seed at each and use the best "
+                   "peak Pass@1 for AdamW and LoRA (default: no sweep, use --lr)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per run (the CPUs are shared)")
+    p.add_argument("--out-dir", type=Path, default=Path("runs/bench-learn"), help="where the run directories go")
+    p.add_argument("--reuse", action="store_true", help="keep finished runs with identical arguments")
+    p.add_argument("--out", type=Path, default=None, help="also write the per-run figures as JSON")
+    return p
+
+
+def _lr_text(lr: float) -> str:
+    return f"{lr:g}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``logra bench learn``: run every (method, seed), print the table and the verdict."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, passthrough = parser.parse_known_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or set(methods) - set(METHODS):
+        parser.error(f"--methods: choose from {', '.join(METHODS)}")
+    for name in ("seeds", "updates", "eval_problems"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    sweep = [float(s) for s in args.lr_sweep.split(",") if s.strip()]
+    common = ["--updates", str(args.updates), "--eval_problems", str(args.eval_problems),
+              "--eval_every", str(args.eval_every), "--checkpoint_every", "0", "--threads", str(args.threads),
+              *passthrough]
+    t_start = time.perf_counter()
+
+    sweep_rows = []
+    lr = args.lr
+    if sweep:
+        for value in sweep:
+            run_dir = args.out_dir / "lr-sweep" / f"adamw-lr{_lr_text(value)}-s0"
+            run_train(run_dir, ["--optimizer", "adamw", "--seed", "0", "--lr", _lr_text(value), *common], args.reuse)
+            sweep_rows.append((value, read_run(run_dir, "adamw", 0)))
+        lr = max(sweep_rows, key=lambda vr: (vr[1].peak_pass1, vr[1].final_pass1))[0]
+    lrs = {"logra": "update_ratio", "adamw": _lr_text(lr), "lora": _lr_text(args.lora_lr or lr)}
+
+    groups: dict[str, list[RunResult]] = {}
+    for method in methods:
+        runs = []
+        for seed in range(args.seeds):
+            extra = [] if method == "logra" else ["--lr", lrs[method]]
+            run_dir = args.out_dir / f"{method}-s{seed}"
+            run_train(run_dir, ["--optimizer", method, "--seed", str(seed), *extra, *common], args.reuse)
+            runs.append(read_run(run_dir, method, seed))
+        groups[_LABELS[method]] = runs
+
+    values = {"seeds": args.seeds, "updates": args.updates, "eval_problems": args.eval_problems,
+              "eval_every": args.eval_every}
+    notes = reduced_notes(values, _FULL, passthrough)
+    first = next(iter(groups.values()))[0]
+    config = json.loads((first.run_dir / "config.json").read_text())
+    print("## LoGRA vs dense AdamW vs LoRA on the embedded RL task\n")
+    if notes:
+        print("**REDUCED RUN** (differs from the full protocol: " + "; ".join(notes) + ")\n")
+    print(f"Task {config['task']}, {config['algorithm']}, {config['prompts_per_update']} prompts × "
+          f"{config['responses_per_prompt']} responses per update, {args.updates} updates, evaluation every "
+          f"{args.eval_every} updates on {args.eval_problems} held-out problems × {config['eval_samples']} samples; "
+          f"LoGRA rank {config['logra']['rank']}, update ratio {config['logra']['update_ratio']}; same predicted-KL "
+          f"control for every method (budget {config['kl']['budget']} → {config['kl']['budget_final']}, "
+          f"{config['kl']['schedule']}). One process per (method, seed), {args.threads} thread(s). Peaks include the "
+          "update-0 evaluation. Memory: maximum over updates of the trainer's per-update figure (whole-process RSS on "
+          "CPU, so it includes the Python/PyTorch runtime). Wall time of this benchmark: "
+          f"{(time.perf_counter() - t_start) / 60:.1f} min.\n")
+    if sweep_rows:
+        print("Learning-rate sweep (dense AdamW, seed 0; the best peak Pass@1 is used for AdamW"
+              f"{' and LoRA' if args.lora_lr is None else ''}):\n")
+        print("| lr | peak Pass@1 (%) | final Pass@1 (%) | peak Pass@4 (%) | mean α |")
+        print("|---|---|---|---|---|")
+        for value, r in sweep_rows:
+            alpha = statistics.fmean(a for a in r.series("alpha", "train")[1]) if r.train else float("nan")
+            mark = " (chosen)" if value == lr else ""
+            print(f"| {_lr_text(value)}{mark} | {100 * r.peak_pass1:.1f} | {100 * r.final_pass1:.1f} | "
+                  f"{100 * r.peak_pass4:.1f} | {alpha:.2f} |")
+        print()
+    print(format_table(groups, {_LABELS[m]: lrs[m] for m in methods}))
+    print()
+    if "logra" in methods and "adamw" in methods:
+        print(verdict(groups[_LABELS["logra"]], groups[_LABELS["adamw"]])[1])
+    else:
+        print("(verdict not evaluated: needs both logra and adamw)")
+    title = "LoGRA vs dense AdamW vs LoRA" + (" — REDUCED RUN" if notes else "")
+    png = plot_curves(groups, args.out_dir / "learning.png", title)
+    print(f"\nplot: {png}")
+    if args.out is not None:
+        payload = {label: [{"seed": r.seed, "run_dir": str(r.run_dir), "peak_pass@1": r.peak_pass1,
+                            "peak_pass@4": r.peak_pass4, "memory_gib": r.memory_gib,
+                            "updates_per_hour": r.updates_per_hour} for r in runs]
+                   for label, runs in groups.items()}
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "lrs": lrs,
+                                        "passthrough": passthrough, "runs": payload}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
