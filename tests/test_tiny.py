@@ -15,9 +15,7 @@ from logra.tiny import (
     TinyPolicyConfig,
     build_tiny_policy,
     byte_tokenizer,
-    format_prompt,
     load_or_warm_start,
-    task_demonstrations,
     warm_start,
 )
 
@@ -130,17 +128,6 @@ def test_batched_generation_with_left_padding_stops_and_pads():
     assert out[1, : enc["input_ids"].shape[1]].tolist() == enc["input_ids"][1].tolist()
 
 
-def test_default_config_prompt_is_short():
-    cfg = TinyPolicyConfig()
-    demos = task_demonstrations(TinyPolicyConfig(num_demonstrations=20))
-    assert len(demos) == 20
-    for prompt, answer in demos:
-        assert len(prompt.encode()) <= 16, prompt
-        assert answer.startswith(" ") and answer.strip()
-    q = "State the final answer to the following arithmetic problem: 12 + 7 ="
-    assert format_prompt(q, cfg) == "12 + 7 ="
-
-
 # --- warm start ----------------------------------------------------------------------
 
 
@@ -185,19 +172,19 @@ def test_load_or_warm_start_caches_and_skips_training(tmp_path):
     cfg = _micro_config()
     calls = []
 
-    def demos_fn(c):
-        calls.append(c)
+    def demos_fn():
+        calls.append(1)
         return _fixed_demos()
 
-    m1, tok1, info1 = load_or_warm_start(cfg, tmp_path, demos_fn, progress=False)
+    m1, tok1, info1 = load_or_warm_start(cfg, tmp_path, demos_fn, "fixed-demos", progress=False)
     assert info1["cache_hit"] is False and len(calls) == 1
-    entry = tmp_path / cfg.cache_key()
+    entry = tmp_path / cfg.cache_key("fixed-demos")
     assert (entry / "model.safetensors").is_file()
     assert (entry / "tokenizer.json").is_file()
     assert json.loads((entry / "logra_tiny_info.json").read_text())["warm_start"]["steps"] == cfg.sft_steps
-    assert [p.name for p in tmp_path.iterdir()] == [cfg.cache_key()]  # no temp dir left behind
+    assert [p.name for p in tmp_path.iterdir()] == [cfg.cache_key("fixed-demos")]  # no temp dir left behind
 
-    m2, tok2, info2 = load_or_warm_start(cfg, tmp_path, demos_fn, progress=False)
+    m2, tok2, info2 = load_or_warm_start(cfg, tmp_path, demos_fn, "fixed-demos", progress=False)
     assert info2["cache_hit"] is True and len(calls) == 1  # no demos, no training
     assert info2["warm_start"] == info1["warm_start"]
     sd1, sd2 = m1.state_dict(), m2.state_dict()
@@ -214,5 +201,5 @@ def test_cache_key_tracks_every_recipe_field(tmp_path):
     cfg = _micro_config()
     assert cfg.cache_key() == _micro_config().cache_key()
     assert cfg.cache_key() != _micro_config(sft_steps=4).cache_key()
-    assert cfg.cache_key() != _micro_config(task_config={"min_terms": 3}).cache_key()
+    assert cfg.cache_key("chain_sum") != cfg.cache_key("basic_arithmetic")
     assert cfg.cache_key() != _micro_config(seed=2).cache_key()

@@ -33,6 +33,7 @@ from .tasks import Problem, Task, is_correct, make_task, pass_at_k
 from .tiny import TinyPolicyConfig
 
 _CHECKPOINT = "checkpoint"
+_TASK_FIELDS = ("task", "task_config", "extract", "instruction", "strip_prefix", "partial_credit", "eval_fraction")
 
 
 @dataclass
@@ -78,6 +79,8 @@ class RLConfig:
             ``extract``, '' = none (short prompts for tiny models).
         strip_prefix: boilerplate removed from the front of reasoning-gym questions.
         partial_credit: keep reasoning-gym's partial rewards (else 1 for full credit, 0 otherwise).
+        eval_fraction: share of the task's distinct questions held out for evaluation
+            (split by a hash of the question text: never trained on, never in the warm start).
         optimizer: 'logra', 'adamw' (dense Adam baseline) or 'lora' (peft).
         algorithm: 'grpo' (group-normalised advantages, clipped ratio) or 'reinforce'
             (running baseline, truncated importance sampling).
@@ -111,21 +114,23 @@ class RLConfig:
     """
 
     model: str = ""
-    task: str = "basic_arithmetic"
-    task_config: dict[str, Any] = field(default_factory=dict)
-    extract: str = "answer"
-    instruction: str = "default"
-    strip_prefix: str = ""
-    partial_credit: bool = True
+    task: str = "chain_sum"
+    task_config: dict[str, Any] = field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1})
+    extract: str = "full"
+    instruction: str = ""
+    strip_prefix: str = "State the final answer to the following arithmetic problem: "
+    partial_credit: bool = False
+    eval_fraction: float = 0.2
     optimizer: str = "logra"
     algorithm: str = "grpo"
     updates: int = 60
-    prompts_per_update: int = 16
+    prompts_per_update: int = 32
     responses_per_prompt: int = 8
-    micro_batch: int = 64
+    micro_batch: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 16
+    max_new_tokens: int = 6
     clip_eps: float = 0.2
     is_cap: float = 2.0
     baseline_decay: float = 0.9
@@ -176,7 +181,7 @@ class RLConfig:
 
 def build_task(config: RLConfig) -> Task:
     """The task of ``config`` (options that only reasoning-gym tasks take are passed only if set)."""
-    kw: dict[str, Any] = {"extract": config.extract}
+    kw: dict[str, Any] = {"extract": config.extract, "eval_fraction": config.eval_fraction}
     if config.instruction != "default":
         kw["instruction"] = config.instruction
     if config.task_config:
@@ -357,11 +362,14 @@ class RLTrainer:
         if not cfg.model:
             from .tiny import load_or_warm_start
 
-            def demonstrations(tiny: TinyPolicyConfig) -> list[tuple[str, str]]:
-                problems = self.task.problems("train", tiny.num_demonstrations, seed=tiny.seed + 1)
+            def demonstrations() -> list[tuple[str, str]]:
+                problems = self.task.problems("train", cfg.tiny.num_demonstrations, seed=cfg.tiny.seed + 1)
                 return [(p.prompt, self.task.reference_response(p)) for p in problems]
 
-            return load_or_warm_start(cfg.tiny, Path(cfg.cache_dir).expanduser(), demonstrations, progress=self.progress)
+            # the demonstrations are a function of the task options: they key the cache too
+            data_key = json.dumps({k: getattr(cfg, k) for k in _TASK_FIELDS}, sort_keys=True)
+            return load_or_warm_start(cfg.tiny, Path(cfg.cache_dir).expanduser(), demonstrations, data_key,
+                                      progress=self.progress)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         try:
@@ -553,8 +561,9 @@ class RLTrainer:
         on held-out problems, sampling at the training temperature."""
         cfg = self.config
         n, k = problems or cfg.eval_problems, samples or cfg.eval_samples
-        if not hasattr(self, "_eval_pool") or len(self._eval_pool) != n:
-            self._eval_pool = self.task.problems("eval", n, seed=cfg.seed)
+        if getattr(self, "_eval_size", None) != n:
+            self._eval_pool, self._eval_size = self._distinct_eval_problems(n), n
+        n = len(self._eval_pool)
         state = torch.random.get_rng_state()
         torch.manual_seed(cfg.seed + 7)  # the same evaluation samples whenever we evaluate
         try:
@@ -571,6 +580,23 @@ class RLTrainer:
             "pass@4": sum(pass_at_k(k, c, 4) for c in correct) / n, "reward": float(rewards.mean()),
             "problems": n, "samples": k,
         }
+
+    def _distinct_eval_problems(self, n: int) -> list[Problem]:
+        """``n`` held-out problems with distinct prompts (fewer, with a warning, if the split is smaller)."""
+        seen: dict[str, Problem] = {}
+        draws = n
+        while len(seen) < n and draws <= 64 * n:
+            try:
+                pool = self.task.problems("eval", draws, seed=self.config.seed)
+            except RuntimeError:
+                break
+            for p in pool:
+                seen.setdefault(p.prompt, p)
+            draws *= 2
+        chosen = list(seen.values())[:n]
+        if len(chosen) < n:
+            print(f"warning: the eval split holds only {len(chosen)} distinct problems (asked {n})")
+        return chosen
 
     # ------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:

@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tiny model, batch 2 x 16 tokens, rank 16, 1 repeat (explicit options still win)")
     p.add_argument("--out-dir", type=Path, default=Path("runs/bench-compare"),
                    help="where compare.md, compare.json and the PNGs go (default runs/bench-compare)")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="measure nothing: re-render the tables and PNGs of a previous run's compare.json")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-size", default=None, help=argparse.SUPPRESS)
@@ -249,7 +251,8 @@ def _worker_main(args: argparse.Namespace) -> int:
         rank=args.worker_rank, repeats=args.repeats, memory_repeats=args.memory_repeats, device=args.device,
         autocast=args.autocast, adamw_impl=args.adamw_impl, threads=args.threads, seed=args.seed,
     )
-    label = f"{args.worker_size} {_label(args.worker, args.worker_rank)}"
+    ranked = args.worker in _LOGRA + _PEERS_RANKED
+    label = f"{args.worker_size} {_label(args.worker, args.worker_rank if ranked else None)}"
     result = memory.run_worker(args.worker, wargs, log=lambda _, msg: _log(label, msg), setup=_setup)
     result["size"] = args.worker_size
     result["rank"] = args.worker_rank
@@ -389,14 +392,14 @@ def plot_bars(results: list[dict[str, Any]], sizes: list[str], path: Path) -> Pa
         if base is not None and "error" not in base:
             ax.axvline(_avg_peak(base)[1] / div, color="#444444", ls=":", lw=1)
         ax.set_xlim(0, xmax * 1.32)
-        title = size if params is None else f"{size} ({params / 1e6:.0f}M parameters)"
+        title = size if params is None else f"{size} ({params / 1e6:.3g}M parameters)"
         ax.set_title(title, color=color, fontsize=10)
         ax.set_xlabel(f"memory ({unit}): avg / peak")
         ax.grid(axis="x", alpha=0.3)
     axes[0][0].set_yticks(range(len(labels)), labels)
     axes[0][0].invert_yaxis()
-    fig.suptitle(f"Training memory per step, {what}: dark = average over measured steps, pale = peak "
-                 "(dotted: dense AdamW peak; hatched: LoGRA)", fontsize=10)
+    fig.suptitle(f"Training memory per step, {what}\ndark: average over the measured steps, pale: peak; "
+                 "dotted line: dense AdamW peak; hatched: LoGRA", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -449,7 +452,19 @@ def main(argv: list[str] | None = None) -> int:
     args = _resolve(parser, parser.parse_args(argv))
     if args.worker is not None:
         return _worker_main(args)
+    if args.from_json is not None:
+        payload = json.loads(args.from_json.read_text())
+        for key, value in payload["setup"].items():
+            setattr(args, key, value)
+        results = payload["results"]
+    else:
+        results = _measure(args)
+    _report(args, results)
+    return 0
 
+
+def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Spawn one worker per (size, method, rank); failures become rows with their error."""
     common = [
         "--batch", str(args.batch), "--seq", str(args.seq), "--repeats", str(args.repeats),
         "--memory-repeats", str(args.memory_repeats), "--device", args.device, "--autocast", args.autocast,
@@ -469,7 +484,11 @@ def main(argv: list[str] | None = None) -> int:
             r = _fail_result(size, method, rank, err)
             _log(label, f"FAILED: {r['error']}")
         results.append(r)
+    return results
 
+
+def _report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    """Print the tables; write them, the JSON and the PNGs to ``args.out_dir``."""
     unit = _unit(results)
     parts = [
         "## LoGRA vs AdamW, 8-bit AdamW, LoRA, GaLore, APOLLO: training memory and step time\n",
@@ -504,12 +523,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "compare.md").write_text(text + "\n")
-    setup = {k: v for k, v in vars(args).items() if not k.startswith("worker") and k != "out_dir"}
+    setup = {k: v for k, v in vars(args).items() if not k.startswith("worker") and k not in ("out_dir", "from_json")}
     (args.out_dir / "compare.json").write_text(json.dumps({"setup": setup, "results": results}, indent=2, default=str))
     pngs = [plot_bars(results, args.size_list, args.out_dir / "memory_bars.png"),
             plot_scaling(results, args.out_dir / "memory_vs_size.png")]
     print("\nwrote " + ", ".join(str(p) for p in [args.out_dir / "compare.md", args.out_dir / "compare.json", *pngs]))
-    return 0
 
 
 if __name__ == "__main__":

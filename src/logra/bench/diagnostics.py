@@ -216,7 +216,7 @@ def record_gradients(
                  f"{r['time_update']:.1f} s")
     finally:
         trainer.recorder.remove()
-    return trainer.recorded, trainer.sketch_errors, {"records": records}
+    return trainer.recorded, trainer.sketch_errors, {"records": records, "task": getattr(trainer.task, "name", "?")}
 
 
 # ----------------------------------------------------------------------- reconstruction
@@ -315,13 +315,15 @@ def predicted_cosines(
 def _heatmaps(values: dict[str, np.ndarray], layers: Sequence[str], ranks: Sequence[int], vmax: float,
               path: Path, title: str) -> Path:
     """Side-by-side heatmaps (rows = layers, columns = ranks) on one shared colour scale."""
-    fig, axes = plt.subplots(1, len(values), figsize=(1.0 + 0.62 * len(ranks) * len(values) + 1.2, 0.45 * len(layers) + 1.9),
-                             squeeze=False)
+    width = 1.6 + 0.62 * len(ranks) * len(values) + 1.0
+    fig, axes = plt.subplots(1, len(values), figsize=(width, 0.42 * len(layers) + 1.8), squeeze=False, sharey=True,
+                             constrained_layout=True)
     im = None
-    for ax, (label, grid) in zip(axes[0], values.items()):
+    for k, (ax, (label, grid)) in enumerate(zip(axes[0], values.items())):
         im = ax.imshow(grid, vmin=0.0, vmax=vmax, cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(ranks)), [str(r) for r in ranks])
-        ax.set_yticks(range(len(layers)), [f"layer {name}" for name in layers])
+        if k == 0:
+            ax.set_yticks(range(len(layers)), [f"layer {name}" if name.isdigit() else name for name in layers])
         ax.set_xlabel("rank r")
         ax.set_title(label, fontsize=10)
         for i in range(grid.shape[0]):
@@ -330,7 +332,7 @@ def _heatmaps(values: dict[str, np.ndarray], layers: Sequence[str], ranks: Seque
                 ax.text(j, i, "–" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=7,
                         color="white" if (np.isnan(v) or v < 0.6 * vmax) else "black")
     fig.colorbar(im, ax=list(axes[0]), shrink=0.9, label="cosine(ΣG, ΣSA)")
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(title, fontsize=9)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
@@ -411,7 +413,7 @@ def run_cosine(args: argparse.Namespace, base: dict[str, Any], notes: list[str],
     print("### Gradient-reconstruction cosine (Figure 5b/c)\n")
     if notes:
         print("**REDUCED RUN** (" + "; ".join(notes) + ")\n")
-    print(f"Dense gradients of the GRPO policy-gradient loss ({config.algorithm}, task {config.task}, "
+    print(f"Dense gradients of the RL policy-gradient loss ({config.algorithm}, task {info['task']}, "
           f"{config.prompts_per_update}×{config.responses_per_prompt} rollouts per update) of {T} consecutive RL "
           f"updates while LoGRA (rank {config.logra.rank}, refreshed {config.logra.distribution}) trains the "
           f"{'embedded' if not config.model and model is None else 'given'} policy; {len(grads[0])} target matrices "
@@ -470,7 +472,7 @@ def run_variant(values: dict[str, Any], run_dir: Path, label: str, seed: int, re
 
 def _variant_table(groups: dict[str, list[RunResult]], first: str) -> str:
     head = [first, "n", "Pass@1 start (%)", "peak Pass@1 (%)", "final Pass@1 (%)", "peak Pass@4 (%)",
-            "mean realised KL", "max realised KL", "mean α", "|pred − real| / real", "s/update"]
+            "mean realised KL", "max realised KL", "mean α", "predicted-KL rel. error (median)", "s/update"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, runs in groups.items():
         kl = [x for r in runs for x in r.series("realized_kl", "train")[1]]
@@ -484,7 +486,7 @@ def _variant_table(groups: dict[str, list[RunResult]], first: str) -> str:
                format_pm([r.peak_pass4 for r in runs], 100, 1),
                f"{statistics.fmean(kl):.2e}" if kl else "-", f"{max(kl):.2e}" if kl else "-",
                f"{statistics.fmean(alpha):.2f}" if alpha else "-",
-               "-" if math.isnan(err) else f"{err:.2f} (median)", f"{statistics.fmean(secs):.1f}" if secs else "-"]
+               "-" if math.isnan(err) else f"{err:.2f}", f"{statistics.fmean(secs):.2f}" if secs else "-"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -367,6 +367,12 @@ def _lr_text(lr: float) -> str:
     return f"{lr:g}"
 
 
+def _train_args(method: str, seed: int, lr: str, common: Sequence[str]) -> list[str]:
+    """`logra train` arguments of one (method, seed) run (LoGRA's step size is its update ratio)."""
+    extra = [] if method == "logra" else ["--lr", lr]
+    return ["--optimizer", method, "--seed", str(seed), *extra, *common]
+
+
 def main(argv: list[str] | None = None) -> int:
     """``logra bench learn``: run every (method, seed), print the table and the verdict."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -384,12 +390,12 @@ def main(argv: list[str] | None = None) -> int:
               *passthrough]
     t_start = time.perf_counter()
 
-    sweep_rows = []
+    sweep_rows: list[tuple[float, RunResult]] = []
     lr = args.lr
     if sweep:
         for value in sweep:
             run_dir = args.out_dir / "lr-sweep" / f"adamw-lr{_lr_text(value)}-s0"
-            run_train(run_dir, ["--optimizer", "adamw", "--seed", "0", "--lr", _lr_text(value), *common], args.reuse)
+            run_train(run_dir, _train_args("adamw", 0, _lr_text(value), common), args.reuse)
             sweep_rows.append((value, read_run(run_dir, "adamw", 0)))
         lr = max(sweep_rows, key=lambda vr: (vr[1].peak_pass1, vr[1].final_pass1))[0]
     lrs = {"logra": "update_ratio", "adamw": _lr_text(lr), "lora": _lr_text(args.lora_lr or lr)}
@@ -398,9 +404,12 @@ def main(argv: list[str] | None = None) -> int:
     for method in methods:
         runs = []
         for seed in range(args.seeds):
-            extra = [] if method == "logra" else ["--lr", lrs[method]]
+            if method == "adamw" and seed == 0 and sweep_rows:
+                # the sweep's run at the chosen rate is exactly this run: same arguments
+                runs.append(next(r for value, r in sweep_rows if value == lr))
+                continue
             run_dir = args.out_dir / f"{method}-s{seed}"
-            run_train(run_dir, ["--optimizer", method, "--seed", str(seed), *extra, *common], args.reuse)
+            run_train(run_dir, _train_args(method, seed, lrs[method], common), args.reuse)
             runs.append(read_run(run_dir, method, seed))
         groups[_LABELS[method]] = runs
 
