@@ -135,6 +135,16 @@ def test_fixed_projection_keeps_the_error_refreshed_projections_average_it_out()
     assert mean[-1, -1] > 0.85 and fixed[-1, -1] < 0.7  # prediction 0.897 vs one draw's ≈ sqrt(16/47) = 0.58
 
 
+def test_coherence_is_one_for_orthogonal_and_t_for_identical_gradients():
+    name = "model.layers.0.mlp.up_proj.weight"
+    eye = torch.eye(4)
+    orthogonal = [{name: eye[i: i + 1]} for i in range(4)]  # four orthogonal 1×4 gradients
+    layers = {"0": [name]}
+    assert diagnostics.coherence(orthogonal, layers) == pytest.approx([1.0])
+    assert diagnostics.coherence([orthogonal[0]] * 5, layers) == pytest.approx([5.0])
+    assert diagnostics.coherence([orthogonal[0], {name: -eye[0:1]}], layers) == pytest.approx([0.0])
+
+
 def test_layers_group_targets_by_transformer_layer():
     names = ["model.layers.10.mlp.up_proj.weight", "model.layers.2.self_attn.q_proj.weight",
              "model.layers.2.mlp.down_proj.weight", "lm_head.weight"]
@@ -162,7 +172,7 @@ def test_cosine_part_on_a_tiny_rl_run(tmp_path, capsys):
     err = float(re.search(r"relative error of at most ([0-9.e+-]+)", printed).group(1))
     assert err < 1e-4
     data = json.loads((out / "cosine" / "cosine.json").read_text())
-    assert data["updates"] == 3 and data["layers"] == ["0", "1"]
+    assert data["updates"] == 3 and data["layers"] == ["0", "1"] and len(data["coherence"]) == 2
     fixed = np.array(data["measured"]["fixed Rademacher"])
     refreshed = np.array(data["measured"]["refreshed Rademacher"])
     assert fixed.shape == (3, 2, 4)
@@ -171,6 +181,18 @@ def test_cosine_part_on_a_tiny_rl_run(tmp_path, capsys):
     assert refreshed[-1, :, -1].mean() > refreshed[-1, :, 0].mean()  # rank 32 beats rank 1
     for name in ("heatmap_fixed_vs_refreshed.png", "heatmap_rademacher_vs_gaussian.png", "cosine_vs_updates.png"):
         _png(out / "cosine" / name)
+
+
+def test_cosine_part_with_supervised_gradients(tmp_path, capsys):
+    out = tmp_path / "diag"
+    argv = ["--parts", "cosine", "--cosine-loss", "sft", "--out-dir", str(out), "--cosine-updates", "2",
+            "--cosine-ranks", "2,32", *_TINY_RL]
+    assert diagnostics.main(argv, model_factory=_factory) == 0
+    printed = capsys.readouterr().out
+    assert "SFT gradients" in printed and "supervised next-token loss" in printed
+    assert float(re.search(r"relative error of at most ([0-9.e+-]+)", printed).group(1)) < 1e-4
+    data = json.loads((out / "cosine-sft" / "cosine.json").read_text())
+    assert data["loss"] == "sft" and np.array(data["measured"]["fixed Rademacher"]).shape == (2, 2, 2)
 
 
 def test_rank_and_kl_parts_tables_and_plots(tmp_path, capsys):

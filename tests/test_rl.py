@@ -197,3 +197,17 @@ def test_data_parallel_two_ranks_stay_identical(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows if r["kind"] == "train"] == [0, 1]
     assert (tmp_path / "run" / "checkpoint" / "rng-rank1.pt").exists()
+
+
+def test_yaml_example_config_runs(tmp_path):
+    """examples/train_tiny.yaml is a valid config and runs (shortened by flags)."""
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "train_tiny.yaml"
+    argv = ["--config", str(example), "--updates", "1", "--tiny.sft_steps", "3", "--tiny.num_demonstrations", "64",
+            "--eval_problems", "4", "--prompts_per_update", "2", "--responses_per_prompt", "2",
+            "--kl.probe_responses", "2", "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache"),
+            "--quiet"]
+    assert train_main(argv) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["updates"] == 1

@@ -3,9 +3,10 @@
 Every method trains the same randomly initialised Qwen2-architecture model (fp32
 weights, identical seed) of each ``--sizes`` preset on the same token batch, each in its
 own Python process (``python -m logra.bench.compare --worker METHOD ...``), with the
-step loop, memory tracking and worker spawning of `logra.bench.memory`: one untracked
-warm-up step, ``--repeats`` untimed-by-the-tracker steps for the step time (median), then
-``--memory-repeats`` steps each in its own `logra.memory.track_memory` region.
+step loop, memory tracking and worker spawning of `logra.bench.memory`: one warm-up
+step, ``--repeats`` untracked steps for the step time (median), then ``--memory-repeats``
+steps under `logra.memory.track_memory` (forward+backward and optimizer step in separate
+regions; the step's peak is the larger).
 
 Methods (the peers are the real packages, imported in the worker; one that fails to
 import or run is listed in the table with its error):
@@ -94,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None,
                    help=f"timed (untracked) steps after the warm-up step (default {_FULL['repeats']}; --quick: 1)")
     p.add_argument("--memory-repeats", type=int, default=None,
-                   help="steps measured under the memory tracker, one region each (default: --repeats)")
+                   help="steps measured under the memory tracker (default: --repeats); each step's peak "
+                   "enters the average, the largest is the peak")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     p.add_argument("--autocast", default="fp32", choices=("fp32", "bf16"),
                    help="compute dtype; weights stay fp32. bf16 = torch.autocast, CUDA only (default fp32)")

@@ -69,7 +69,9 @@ from torch import nn
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from logra.bench.learn import RunResult, format_pm, plot_curves, read_run, reduced_notes  # noqa: E402
+from logra.bench.learn import (  # noqa: E402
+    RunResult, format_pm, plot_curves, protocol_lines, read_run, reduced_notes, title_tag,
+)
 from logra.optimizer import LoGRAOptimizer  # noqa: E402
 from logra.projection import make_projection, projection_index, projection_seed  # noqa: E402
 from logra.rl import RLConfig, RLTrainer  # noqa: E402
@@ -170,6 +172,19 @@ class DenseGradientRecorder:
         self._handles.clear()
 
 
+def _sketch_error(optimizer: torch.optim.Optimizer, grads: Mapping[str, torch.Tensor]) -> float | None:
+    """Largest ``‖S − G Aᵀ‖ / ‖G Aᵀ‖`` over LoGRA's targets (None for other optimizers)."""
+    if not isinstance(optimizer, LoGRAOptimizer):
+        return None
+    worst = 0.0
+    for name, sketch in optimizer.sketches().items():
+        expected = grads[name] @ optimizer.projection(name).T
+        scale = float(torch.linalg.vector_norm(expected))
+        if scale > 0:
+            worst = max(worst, float(torch.linalg.vector_norm(sketch - expected)) / scale)
+    return worst
+
+
 class _RecordingTrainer(RLTrainer):
     """`RLTrainer` that keeps the dense gradient of every update and checks the sketches against it.
 
@@ -183,40 +198,90 @@ class _RecordingTrainer(RLTrainer):
         self.recorded: list[dict[str, torch.Tensor]] = []
         self.sketch_errors: list[float] = []
 
-    def _apply_update(self, rollout: Any) -> dict[str, Any]:
+    def keep(self) -> None:
+        """Store the gradient recorded since the last call and check the sketches against it."""
         grads = self.recorder.pop()
         self.recorded.append({n: g.cpu() for n, g in grads.items()})
-        if isinstance(self.optimizer, LoGRAOptimizer):
-            worst = 0.0
-            for name, sketch in self.optimizer.sketches().items():
-                expected = grads[name] @ self.optimizer.projection(name).T
-                scale = float(torch.linalg.vector_norm(expected))
-                if scale > 0:
-                    worst = max(worst, float(torch.linalg.vector_norm(sketch - expected)) / scale)
-            self.sketch_errors.append(worst)
+        err = _sketch_error(self.optimizer, grads)
+        if err is not None:
+            self.sketch_errors.append(err)
+
+    def _apply_update(self, rollout: Any) -> dict[str, Any]:
+        self.keep()
         return super()._apply_update(rollout)
+
+
+def _sft_batch(tokenizer: Any, pairs: Sequence[tuple[str, str]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded prompt + answer + eos; labels only on answer and eos (as the warm start)."""
+    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([a for _, a in pairs], add_special_tokens=False)["input_ids"]
+    seqs = [p + a + [tokenizer.eos_token_id] for p, a in zip(prompts, answers)]
+    width = max(len(q) for q in seqs)
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, (q, p) in enumerate(zip(seqs, prompts)):
+        ids[i, : len(q)] = torch.tensor(q)
+        mask[i, : len(q)] = 1
+        labels[i, len(p): len(q)] = ids[i, len(p): len(q)]
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
 
 def record_gradients(
     config: RLConfig, updates: int, model: nn.Module | None = None, tokenizer: Any = None, task: Any = None,
+    loss: str = "rl", sft_batch: int = 64,
 ) -> tuple[list[dict[str, torch.Tensor]], list[float], dict[str, Any]]:
-    """Train ``updates`` RL updates with ``config`` and return the dense gradient of each.
+    """Train ``updates`` updates with the optimizer of ``config`` and return the dense gradient of each.
 
+    ``loss='rl'``: the trainer's own RL updates (rollouts, policy-gradient loss, KL-controlled
+    step). ``loss='sft'``: supervised next-token loss on ``sft_batch`` fresh task
+    demonstrations (prompt + reference response) per update, plain ``optimizer.step()``.
     Returns ``(grads, sketch_errors, info)``: per update, stable weight name → fp32 ``G``
     (CPU) of the loss the update was computed from; per update, the largest relative
-    difference between the optimizer's sketch and ``G Aᵀ`` (LoGRA only); train records.
+    difference between the optimizer's sketch and ``G Aᵀ`` (LoGRA only); per-update records.
     """
     trainer = _RecordingTrainer(config, model=model, tokenizer=tokenizer, task=task, progress=False)
-    records = []
+    records: list[dict[str, Any]] = []
     try:
-        for i in range(updates):
-            records.append(trainer.train_step())
-            r = records[-1]
-            _log(f"cosine: update {i + 1}/{updates}: reward {r['reward']:.3f}, alpha {r['alpha']:.2f}, "
-                 f"{r['time_update']:.1f} s")
+        if loss == "rl":
+            for i in range(updates):
+                records.append(trainer.train_step())
+                r = records[-1]
+                _log(f"cosine: update {i + 1}/{updates}: reward {r['reward']:.3f}, alpha {r['alpha']:.2f}, "
+                     f"{r['time_update']:.1f} s")
+        elif loss == "sft":
+            problems = trainer.task.problems("train", updates * sft_batch, seed=config.seed + 1_000)
+            trainer.model.train()
+            for i in range(updates):
+                chunk = problems[i * sft_batch: (i + 1) * sft_batch]
+                batch = _sft_batch(trainer.tokenizer, [(p.prompt, trainer.task.reference_response(p)) for p in chunk],
+                                   trainer.device)
+                value = trainer.model(**batch).loss
+                value.backward()
+                trainer.keep()
+                trainer.optimizer.step()
+                trainer.optimizer.zero_grad(set_to_none=True)
+                records.append({"loss": float(value.detach())})
+                _log(f"cosine: SFT update {i + 1}/{updates}: loss {records[-1]['loss']:.3f}")
+        else:
+            raise ValueError(f"loss must be 'rl' or 'sft', got {loss!r}")
     finally:
         trainer.recorder.remove()
     return trainer.recorded, trainer.sketch_errors, {"records": records, "task": getattr(trainer.task, "name", "?")}
+
+
+def coherence(grads: Sequence[Mapping[str, torch.Tensor]], layers: Mapping[str, Sequence[str]]) -> np.ndarray:
+    """Per layer, ``‖Σ_t G_t‖² / Σ_t ‖G_t‖²``: 1 for uncorrelated updates, T for identical ones.
+
+    Refreshed projections can only beat a single draw when this exceeds 1: their
+    independent errors add up like ``Σ_t ‖G_t‖²`` while the signal grows like ``‖Σ_t G_t‖²``.
+    """
+    out = []
+    for members in layers.values():
+        total = sum(float(sum(step[n].double() for step in grads).square().sum()) for n in members)
+        own = sum(float(step[n].double().square().sum()) for step in grads for n in members)
+        out.append(total / own if own > 0 else float("nan"))
+    return np.array(out)
 
 
 # ----------------------------------------------------------------------- reconstruction
@@ -376,12 +441,12 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
 def run_cosine(args: argparse.Namespace, base: dict[str, Any], notes: list[str],
                model: nn.Module | None = None, tokenizer: Any = None, task: Any = None) -> dict[str, Any]:
     """The cosine part: record gradients, reconstruct, print the table, draw the heatmaps."""
-    out_dir = args.out_dir / "cosine"
+    out_dir = args.out_dir / ("cosine" if args.cosine_loss == "rl" else f"cosine-{args.cosine_loss}")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     config = build_config({**base, "run_dir": str(out_dir / "run"), "eval_every": 0, "checkpoint_every": 0})
     t0 = time.perf_counter()
-    grads, errors, info = record_gradients(config, args.cosine_updates, model, tokenizer, task)
+    grads, errors, info = record_gradients(config, args.cosine_updates, model, tokenizer, task, args.cosine_loss)
     t_record = time.perf_counter() - t0
     min_in = min(g.shape[1] for g in grads[0].values())
     ranks = _powers_of_two(1, min_in) if args.cosine_ranks == "auto" else _int_list(args.cosine_ranks)
@@ -396,31 +461,43 @@ def run_cosine(args: argparse.Namespace, base: dict[str, Any], notes: list[str],
     final = {label: cos[-1] for label, cos in measured.items()}
     top = max(float(np.nanmax(v)) for v in final.values())
     vmax = args.vmax if args.vmax is not None else (0.4 if top <= 0.4 else math.ceil(top * 10) / 10)
-    tag = " — REDUCED RUN" if notes else ""
+    tag = title_tag(notes, args.passthrough)
     T = len(grads)
     scale_note = "" if vmax == 0.4 else f" (colour scale [0, {vmax:g}]: values exceed the paper's 0.4)"
     fig_b = _heatmaps({k: final[k] for k in ("fixed Rademacher", "refreshed Rademacher")}, list(layers), ranks, vmax,
                       out_dir / "heatmap_fixed_vs_refreshed.png",
-                      f"Gradient reconstruction, accumulated over {T} updates (Fig. 5b){tag}{scale_note}")
+                      f"Reconstruction of {args.cosine_loss.upper()} gradients accumulated over {T} updates (Fig. 5b)"
+                      f"{tag}{scale_note}")
     fig_c = _heatmaps({k: final[k] for k in ("refreshed Rademacher", "refreshed Gaussian")}, list(layers), ranks, vmax,
                       out_dir / "heatmap_rademacher_vs_gaussian.png",
-                      f"Gradient reconstruction, accumulated over {T} updates (Fig. 5c){tag}{scale_note}")
+                      f"Reconstruction of {args.cosine_loss.upper()} gradients accumulated over {T} updates (Fig. 5c)"
+                      f"{tag}{scale_note}")
     fig_t = _cosine_vs_updates(measured, ranks, out_dir / "cosine_vs_updates.png",
-                               f"Accumulated reconstruction vs updates{tag}")
+                               f"Accumulated reconstruction of {args.cosine_loss.upper()} gradients vs updates{tag}")
 
     sizes = sorted({(g.shape[0], g.shape[1]) for g in grads[0].values()})
-    rewards = [r["reward"] for r in info["records"]]
-    print("### Gradient-reconstruction cosine (Figure 5b/c)\n")
-    if notes:
-        print("**REDUCED RUN** (" + "; ".join(notes) + ")\n")
-    print(f"Dense gradients of the RL policy-gradient loss ({config.algorithm}, task {info['task']}, "
-          f"{config.prompts_per_update}×{config.responses_per_prompt} rollouts per update) of {T} consecutive RL "
-          f"updates while LoGRA (rank {config.logra.rank}, refreshed {config.logra.distribution}) trains the "
-          f"{'embedded' if not config.model and model is None else 'given'} policy; {len(grads[0])} target matrices "
-          f"in {len(layers)} layers, (out, in) sizes {sizes}. Cosine of Σ_t G_t with Σ_t S_t A_t after {T} updates, "
-          "per layer (its target matrices as one vector), averaged over layers; 'pred.' = ratio-of-expectations "
-          f"prediction for independent projections (see `--help`). Mean train reward {statistics.fmean(rewards):.3f}; "
-          f"recording took {t_record:.0f} s.")
+    rho = coherence(grads, layers)
+    if args.cosine_loss == "rl":
+        rewards = [r["reward"] for r in info["records"]]
+        source = (f"the RL policy-gradient loss ({config.algorithm}, task {info['task']}, {config.prompts_per_update}×"
+                  f"{config.responses_per_prompt} rollouts per update, mean train reward {statistics.fmean(rewards):.3f}) "
+                  f"of {T} consecutive RL updates (KL-controlled)")
+    else:
+        losses = [r["loss"] for r in info["records"]]
+        source = (f"a supervised next-token loss on 64 fresh demonstrations of task {info['task']} per update (loss "
+                  f"{losses[0]:.3f} → {losses[-1]:.3f}) over {T} consecutive plain LoGRA steps")
+    print(f"### Gradient-reconstruction cosine (Figure 5b/c), {args.cosine_loss.upper()} gradients\n")
+    header = protocol_lines(notes, args.passthrough)
+    if header:
+        print(header)
+    print(f"Dense gradients of {source}, while LoGRA (rank {config.logra.rank}, refreshed {config.logra.distribution}) "
+          f"trains the {'embedded' if not config.model and model is None else 'given'} policy; {len(grads[0])} target "
+          f"matrices in {len(layers)} layers, (out, in) sizes {sizes}. Cell = cosine of Σ_t G_t with Σ_t S_t A_t after "
+          f"{T} updates, per layer (its target matrices as one vector); table = mean over layers; 'pred.' = "
+          "ratio-of-expectations prediction for independent projections (see `--help`). Gradient coherence "
+          f"‖Σ_t G_t‖² / Σ_t ‖G_t‖² per layer: {', '.join(f'{x:.2f}' for x in rho)} (1 = uncorrelated updates, "
+          f"{T} = one persistent direction; refreshed projections beat a fixed one only above 1). Recording took "
+          f"{t_record:.0f} s.")
     if errors:
         print(f"Sketch check: the optimizer's sketches equal G_t A_tᵀ of the recorded dense gradients to a relative "
               f"error of at most {max(errors):.1e} over all targets and updates.")
@@ -436,7 +513,8 @@ def run_cosine(args: argparse.Namespace, base: dict[str, Any], notes: list[str],
         row.append(f"{np.nanmean(measured[VARIANTS[1].label][0, :, ri]):.3f}")
         print("| " + " | ".join(row) + " |")
     print(f"\nplots: {fig_b}, {fig_c}, {fig_t}\n")
-    payload = {"ranks": ranks, "layers": list(layers), "updates": T, "sketch_errors": errors,
+    payload = {"ranks": ranks, "layers": list(layers), "updates": T, "loss": args.cosine_loss, "sketch_errors": errors,
+               "coherence": rho.tolist(),
                "measured": {k: v.tolist() for k, v in measured.items()},
                "predicted": {k: v.tolist() for k, v in predicted.items()}, "reduced": notes}
     (out_dir / "cosine.json").write_text(json.dumps(payload))
@@ -512,13 +590,14 @@ def run_rank(args: argparse.Namespace, base: dict[str, Any], notes: list[str], m
             run_variant({**common, "logra.rank": r}, args.out_dir / "rank" / f"r{r}-s{s}", f"rank {r}", s,
                         args.reuse, model_factory)
             for s in range(args.seeds)]
-    tag = " — REDUCED RUN" if notes else ""
+    tag = title_tag(notes, args.passthrough)
     png = plot_curves(groups, args.out_dir / "rank" / "pass_vs_update.png",
                       f"LoGRA learning vs projection rank (Fig. 5a){tag}", metrics=("pass@1",),
                       extra=(("reward", "train reward", False),))
     print("### Learning vs projection rank (Figure 5a)\n")
-    if notes:
-        print("**REDUCED RUN** (" + "; ".join(notes) + ")\n")
+    header = protocol_lines(notes, args.passthrough)
+    if header:
+        print(header)
     print(f"LoGRA at each rank, otherwise RLConfig defaults; {args.updates} updates, evaluation every "
           f"{args.eval_every} updates on {args.eval_problems} problems; mean ± sample std over {args.seeds} seed(s).\n")
     print(_variant_table(groups, "rank"))
@@ -549,14 +628,15 @@ def run_kl(args: argparse.Namespace, base: dict[str, Any], notes: list[str], mod
             run_variant({**common, **kl_values(v, args.kl_updates)}, args.out_dir / "kl" / f"{v}-s{s}", names[v], s,
                         args.reuse, model_factory)
             for s in range(args.seeds)]
-    tag = " — REDUCED RUN" if notes else ""
+    tag = title_tag(notes, args.passthrough)
     png = plot_curves(groups, args.out_dir / "kl" / "pass_vs_update.png",
                       f"KL control over a longer horizon (Fig. 6){tag}", metrics=("pass@1",),
                       extra=(("realized_kl", "realised KL per update", True), ("response_len", "response length", False)))
     cfg = build_config(common)
     print("### KL-control variants over a longer horizon (Figure 6)\n")
-    if notes:
-        print("**REDUCED RUN** (" + "; ".join(notes) + ")\n")
+    header = protocol_lines(notes, args.passthrough)
+    if header:
+        print(header)
     print(f"LoGRA, RLConfig defaults, {args.kl_updates} updates, evaluation every {args.eval_every} updates on "
           f"{args.eval_problems} problems; mean ± sample std over {args.seeds} seed(s). Cosine: budget "
           f"{cfg.kl.budget:g} → {cfg.kl.budget_final:g} over the {args.kl_updates} updates; constant: {cfg.kl.budget:g} "
@@ -618,6 +698,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-variants", default=FULL["kl_variants"], help=f"subset of {','.join(KL_VARIANTS)}")
     p.add_argument("--cosine-updates", type=int, default=FULL["cosine_updates"],
                    help="RL updates whose dense gradients are recorded for the cosine part")
+    p.add_argument("--cosine-loss", default="rl", choices=("rl", "sft"),
+                   help="gradients of the cosine part: the RL loss of the trainer's own updates, or a supervised "
+                   "next-token loss on task demonstrations (written to OUT_DIR/cosine-sft)")
     p.add_argument("--cosine-ranks", default=FULL["cosine_ranks"],
                    help="ranks of the heatmaps ('auto': 1, 2, 4, ... up to the smallest target input size)")
     p.add_argument("--vmax", type=float, default=None,
@@ -647,21 +730,22 @@ def main(argv: list[str] | None = None, model_factory: Any = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     torch.set_num_threads(args.threads)
+    args.passthrough = list(extra)
     base = {**_passthrough(extra), "threads": args.threads}
     build_config(base)  # unknown `logra train` options fail here, before any run
     args.out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     print("## LoGRA diagnostics\n")
     if "cosine" in parts:
-        notes = reduced_notes(vars(args), {k: FULL[k] for k in ("cosine_updates", "cosine_ranks")}, extra)
+        notes = reduced_notes(vars(args), {k: FULL[k] for k in ("cosine_updates", "cosine_ranks")})
         factory = model_factory() if model_factory is not None else (None, None, None)
         run_cosine(args, base, notes, *factory)
     if "rank" in parts:
         keys = ("ranks", "updates", "eval_problems", "eval_every", "seeds")
-        run_rank(args, base, reduced_notes(vars(args), {k: FULL[k] for k in keys}, extra), model_factory)
+        run_rank(args, base, reduced_notes(vars(args), {k: FULL[k] for k in keys}), model_factory)
     if "kl" in parts:
         keys = ("kl_updates", "kl_variants", "eval_problems", "eval_every", "seeds")
-        run_kl(args, base, reduced_notes(vars(args), {k: FULL[k] for k in keys}, extra), model_factory)
+        run_kl(args, base, reduced_notes(vars(args), {k: FULL[k] for k in keys}), model_factory)
     print(f"(total wall time {(time.perf_counter() - t0) / 60:.1f} min)")
     return 0
 
