@@ -203,3 +203,11 @@ def test_cache_key_tracks_every_recipe_field(tmp_path):
     assert cfg.cache_key() != _micro_config(sft_steps=4).cache_key()
     assert cfg.cache_key("chain_sum") != cfg.cache_key("basic_arithmetic")
     assert cfg.cache_key() != _micro_config(seed=2).cache_key()
+
+
+def test_demonstrations_that_do_not_fit_are_refused():
+    cfg = _micro_config()
+    model, tok = build_tiny_policy(cfg)
+    long = [("x" * (cfg.max_position_embeddings + 5), " 1")]
+    with pytest.raises(ValueError, match="no demonstration fits"):
+        warm_start(model, tok, long, cfg, progress=False)

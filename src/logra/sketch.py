@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import types
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -217,6 +218,13 @@ class SketchSet:
                 raise ValueError(f"target {name} has a {w.dim()}-D weight; only 2-D weights are sketched")
             if rank > w.shape[1]:
                 raise ValueError(f"rank {rank} exceeds the input size {w.shape[1]} of target {name}")
+        wasteful = [n for n, w in weights.items() if rank * (w.shape[0] + w.shape[1]) >= w.numel()]
+        if wasteful:
+            warnings.warn(
+                f"rank {rank}: the sketch and projection of {len(wasteful)} target(s) (e.g. {wasteful[0]}) are as "
+                "large as their dense gradient; choose a rank well below the layers' input sizes to save memory",
+                stacklevel=3,
+            )
         total = sum(w.shape[0] for w in weights.values())
         self.rank = rank
         self.buffer = torch.zeros(total, rank, dtype=torch.float32, device=devices.pop())

@@ -202,14 +202,23 @@ def build_tiny_policy(config: TinyPolicyConfig) -> tuple[Qwen2ForCausalLM, PreTr
 def _encode_demonstrations(
     tokenizer: PreTrainedTokenizerFast, demonstrations: list[tuple[str, str]], max_len: int
 ) -> tuple[list[list[int]], list[int]]:
-    """Tokenize each demo as prompt+answer+eos; return ids and the prompt length (loss mask start)."""
+    """Tokenize each demo as prompt+answer+eos; return ids and the prompt length (loss mask start).
+
+    Demonstrations that do not fit ``max_len`` whole are dropped (a truncated one would
+    teach a cut-off answer, or nothing at all); if none fits, that is an error.
+    """
     prompts = tokenizer([p for p, _ in demonstrations], add_special_tokens=False)["input_ids"]
     answers = tokenizer([a for _, a in demonstrations], add_special_tokens=False)["input_ids"]
     seqs, starts = [], []
     for p, a in zip(prompts, answers):
-        ids = (p + a + [tokenizer.eos_token_id])[:max_len]
-        seqs.append(ids)
-        starts.append(len(p))
+        ids = p + a + [tokenizer.eos_token_id]
+        if len(ids) <= max_len:
+            seqs.append(ids)
+            starts.append(len(p))
+    if not seqs:
+        longest = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
+        raise ValueError(f"no demonstration fits the tiny policy's {max_len} positions (longest needs {longest}); "
+                         "shorten the prompts (instruction, strip_prefix) or raise tiny.max_position_embeddings")
     return seqs, starts
 
 
@@ -281,7 +290,7 @@ def warm_start(
     losses: list[float] = []
     t0 = time.perf_counter()
     bar = tqdm(range(steps), desc="warm start (SFT)", disable=not progress)
-    for _ in bar:
+    for step in bar:
         batch_idx = []
         while len(batch_idx) < config.sft_batch_size:
             if not order:
@@ -290,6 +299,8 @@ def warm_start(
             batch_idx.append(order.pop())
         ids, mask, labels = _collate([seqs[i] for i in batch_idx], [starts[i] for i in batch_idx], tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"warm start diverged at step {step}: loss {loss.item()}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -593,7 +593,7 @@ def run_rank(args: argparse.Namespace, base: dict[str, Any], notes: list[str], m
     tag = title_tag(notes, args.passthrough)
     png = plot_curves(groups, args.out_dir / "rank" / "pass_vs_update.png",
                       f"LoGRA learning vs projection rank (Fig. 5a){tag}", metrics=("pass@1",),
-                      extra=(("reward", "train reward", False),))
+                      extra=(("reward", "train reward", False, 5),))
     print("### Learning vs projection rank (Figure 5a)\n")
     header = protocol_lines(notes, args.passthrough)
     if header:
@@ -631,7 +631,8 @@ def run_kl(args: argparse.Namespace, base: dict[str, Any], notes: list[str], mod
     tag = title_tag(notes, args.passthrough)
     png = plot_curves(groups, args.out_dir / "kl" / "pass_vs_update.png",
                       f"KL control over a longer horizon (Fig. 6){tag}", metrics=("pass@1",),
-                      extra=(("realized_kl", "realised KL per update", True), ("response_len", "response length", False)))
+                      extra=(("realized_kl", "realised KL per update", True, 1), ("reward", "train reward", False, 10),
+                             ("response_len", "response length (tokens)", False, 10)))
     cfg = build_config(common)
     print("### KL-control variants over a longer horizon (Figure 6)\n")
     header = protocol_lines(notes, args.passthrough)

@@ -229,12 +229,13 @@ def _aligned(runs: Sequence[RunResult], key: str, kind: str = "eval") -> tuple[l
 
 
 def plot_curves(groups: dict[str, Sequence[RunResult]], path: Path, title: str,
-                metrics: Sequence[str] = ("pass@1", "pass@4"), extra: Sequence[tuple[str, str, bool]] = ()) -> Path:
+                metrics: Sequence[str] = ("pass@1", "pass@4"), extra: Sequence[tuple[str, str, bool, int]] = ()) -> Path:
     """Eval metrics (and optional train metrics) against the update, one colour per group.
 
     Thick line = mean over seeds, band = ± one sample std (two or more seeds) or ± the
     evaluation standard error (one seed, Pass@1 only), thin lines = individual seeds.
-    ``extra`` adds panels ``(train key, y label, log scale)`` from the per-update rows.
+    ``extra`` adds panels ``(train key, y label, log scale, moving-mean window)`` from the
+    per-update rows (mean over seeds, then a trailing moving mean over ``window`` updates).
     """
     panels = len(metrics) + len(extra)
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.8), squeeze=False)
@@ -258,11 +259,14 @@ def plot_curves(groups: dict[str, Sequence[RunResult]], path: Path, title: str,
             ax.plot(x, mean, color=color, lw=2, marker="o", ms=3, label=f"{label} (n={len(ys)})")
             ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                             color=color, alpha=0.18, lw=0)
-        for ax, (key, ylabel, log) in zip(axes[len(metrics):], extra):
+        for ax, (key, ylabel, log, window) in zip(axes[len(metrics):], extra):
             x, ys = _aligned(runs, key, "train")
             if not x:
                 continue
             mean = [statistics.fmean(col) for col in zip(*ys)]
+            mean = [statistics.fmean(mean[max(0, i - window + 1): i + 1]) for i in range(len(mean))]
+            if window > 1:
+                ylabel = f"{ylabel}\n({window}-update moving mean)"
             if log:
                 mean = [max(m, 1e-12) for m in mean]
             ax.plot(x, mean, color=color, lw=1.5, label=label)
@@ -312,7 +316,7 @@ def _finished_with(run_dir: Path, wanted: dict[str, Any]) -> bool:
     """Whether ``run_dir`` holds a finished run started with exactly ``wanted``."""
     recorded = run_dir / "bench_args.json"
     return ((run_dir / "summary.json").exists() and recorded.exists()
-            and json.loads(recorded.read_text()) == wanted)
+            and json.loads(recorded.read_text()).get("args") == wanted["args"])
 
 
 def run_train(run_dir: Path, args: Sequence[str], reuse: bool = False, timeout: float | None = None) -> Path:
@@ -345,8 +349,9 @@ def run_train(run_dir: Path, args: Sequence[str], reuse: bool = False, timeout: 
         proc.wait(timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed with exit code {proc.returncode}")
-    (run_dir / "bench_args.json").write_text(json.dumps(wanted))
-    _log(f"finished {run_dir} in {time.perf_counter() - t0:.0f} s")
+    seconds = time.perf_counter() - t0
+    (run_dir / "bench_args.json").write_text(json.dumps({**wanted, "seconds": seconds}))
+    _log(f"finished {run_dir} in {seconds:.0f} s")
     return run_dir
 
 
@@ -421,6 +426,14 @@ def _lr_text(lr: float) -> str:
     return f"{lr:g}"
 
 
+def _run_minutes(out_dir: Path) -> float:
+    """Summed wall time of the runs under ``out_dir`` (as recorded when each finished)."""
+    total = 0.0
+    for recorded in Path(out_dir).rglob("bench_args.json"):
+        total += json.loads(recorded.read_text()).get("seconds", 0.0)
+    return total / 60
+
+
 def _train_args(method: str, seed: int, lr: str, common: Sequence[str]) -> list[str]:
     """`logra train` arguments of one (method, seed) run (LoGRA's step size is its update ratio)."""
     extra = [] if method == "logra" else ["--lr", lr]
@@ -483,8 +496,9 @@ def main(argv: list[str] | None = None) -> int:
           f"control for every method (budget {config['kl']['budget']} → {config['kl']['budget_final']}, "
           f"{config['kl']['schedule']}). One process per (method, seed), {args.threads} thread(s). Peaks include the "
           "update-0 evaluation. Memory: maximum over updates of the trainer's per-update figure (whole-process RSS on "
-          "CPU, so it includes the Python/PyTorch runtime). Wall time of this benchmark: "
-          f"{(time.perf_counter() - t_start) / 60:.1f} min.\n")
+          "CPU, so it includes the Python/PyTorch runtime). Wall time of the runs (process start to exit, "
+          f"summed): {_run_minutes(args.out_dir):.1f} min; of this invocation: "
+          f"{(time.perf_counter() - t_start) / 60:.1f} min{' (finished runs reused)' if args.reuse else ''}.\n")
     if sweep_rows:
         print("Learning-rate sweep (dense AdamW, seed 0; the best peak Pass@1 is used for AdamW"
               f"{' and LoRA' if args.lora_lr is None else ''}):\n")
