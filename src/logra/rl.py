@@ -44,7 +44,7 @@ class KLControlConfig:
         enabled: scale every update to the KL budget (off: α = 1 always).
         budget: KL budget at the first update.
         budget_final: KL budget at the end of the schedule.
-        schedule_steps: updates over which the budget decays.
+        schedule_steps: updates over which the budget decays (0 = the run's number of updates).
         schedule: 'cosine' or 'constant'.
         alpha_max: largest scale (the step may grow up to this factor).
         mismatch_ema: EMA weight of the rollout-vs-trainer KL subtracted from the budget.
@@ -68,6 +68,11 @@ class KLControlConfig:
 @dataclass
 class RLConfig:
     """Everything `logra train` needs. Defaults are the embedded default run.
+
+    The embedded default sizes steps for a 0.8M-parameter byte-level policy: its KL
+    budget (1e-3 → 1e-4) is larger than the paper's 2e-4 → 2e-5 for 1.5B-27B models,
+    lm_head/embeddings are sketched and norms trained by AdamW (``non_target='sketch'``),
+    and the probe uses 32 short responses instead of the paper's 2 long ones.
 
     Attributes:
         model: local path or hub name of a causal LM; empty = the embedded tiny policy.
@@ -124,7 +129,7 @@ class RLConfig:
     eval_fraction: float = 0.2
     optimizer: str = "logra"
     algorithm: str = "grpo"
-    updates: int = 60
+    updates: int = 800
     prompts_per_update: int = 32
     responses_per_prompt: int = 8
     micro_batch: int = 256
@@ -135,15 +140,17 @@ class RLConfig:
     is_cap: float = 2.0
     baseline_decay: float = 0.9
     ref_kl_coef: float = 0.0
-    lr: float = 3e-4
+    lr: float = 1e-4
     lora_rank: int = 0
-    logra: LoGRAConfig = field(default_factory=lambda: LoGRAConfig(rank=32, update_ratio=3e-3))
-    kl: KLControlConfig = field(default_factory=lambda: KLControlConfig(budget=5e-3, budget_final=1e-3, schedule_steps=60))
+    logra: LoGRAConfig = field(default_factory=lambda: LoGRAConfig(
+        rank=48, update_ratio=3e-3, non_target="sketch", non_target_lr=1e-4))
+    kl: KLControlConfig = field(default_factory=lambda: KLControlConfig(
+        budget=1e-3, budget_final=1e-4, schedule_steps=0, probe_responses=32))
     tiny: TinyPolicyConfig = field(default_factory=TinyPolicyConfig)
-    eval_every: int = 20
+    eval_every: int = 100
     eval_problems: int = 500
-    eval_samples: int = 4
-    checkpoint_every: int = 20
+    eval_samples: int = 8
+    checkpoint_every: int = 100
     run_dir: str = "runs/default"
     cache_dir: str = "~/.cache/logra"
     seed: int = 0
@@ -345,7 +352,8 @@ class RLTrainer:
         # each rank samples its own responses; a fixed function of (seed, rank)
         torch.manual_seed(config.seed * 1_000 + self.rank)
         self.controller = KLController(
-            budget=config.kl.budget, budget_final=config.kl.budget_final, schedule_steps=config.kl.schedule_steps,
+            budget=config.kl.budget, budget_final=config.kl.budget_final,
+            schedule_steps=config.kl.schedule_steps or config.updates,
             schedule=config.kl.schedule, alpha_max=config.kl.alpha_max, mismatch_ema=config.kl.mismatch_ema,
             mismatch_floor=config.kl.mismatch_floor,
         )
@@ -578,7 +586,7 @@ class RLTrainer:
         return {
             "kind": "eval", "update": self.update, "pass@1": mean1, "pass@1_stderr": stderr,
             "pass@4": sum(pass_at_k(k, c, 4) for c in correct) / n, "reward": float(rewards.mean()),
-            "problems": n, "samples": k,
+            "problems": n, "samples": k, "correct": correct,
         }
 
     def _distinct_eval_problems(self, n: int) -> list[Problem]:
@@ -706,9 +714,14 @@ class RLTrainer:
         first, last = evals[0], evals[-1]
         gain = last["pass@1"] - first["pass@1"]
         se = math.sqrt(first["pass@1_stderr"] ** 2 + last["pass@1_stderr"] ** 2)
+        # the same problems are evaluated each time: the paired standard error of the gain
+        n, k = first["problems"], first["samples"]
+        diffs = [(b - a) / k for a, b in zip(first["correct"], last["correct"])]
+        paired = math.sqrt(sum((d - gain) ** 2 for d in diffs) / max(n - 1, 1) / n)
         summary = {
             "updates": self.update, "pass@1_start": first["pass@1"], "pass@1_end": last["pass@1"],
             "pass@1_gain": gain, "gain_in_stderr": gain / se if se > 0 else 0.0,
+            "gain_in_paired_stderr": gain / paired if paired > 0 else 0.0,
             "pass@4_start": first["pass@4"], "pass@4_end": last["pass@4"],
             "peak_pass@1": max(e["pass@1"] for e in evals), "peak_pass@4": max(e["pass@4"] for e in evals),
             "mean_update_s": sum(r["time_update"] for r in train) / max(len(train), 1),
@@ -729,7 +742,8 @@ def format_summary(summary: dict[str, Any], config: RLConfig) -> str:
     rows = [
         ("optimizer", config.optimizer), ("updates", summary["updates"]),
         ("Pass@1 start → end", f"{summary['pass@1_start']:.3f} → {summary['pass@1_end']:.3f}"),
-        ("Pass@1 gain", f"{summary['pass@1_gain']:+.3f} ({summary['gain_in_stderr']:.1f} standard errors)"),
+        ("Pass@1 gain", f"{summary['pass@1_gain']:+.3f} ({summary['gain_in_stderr']:.1f} standard errors unpaired, "
+                        f"{summary['gain_in_paired_stderr']:.1f} paired)"),
         ("Pass@4 start → end", f"{summary['pass@4_start']:.3f} → {summary['pass@4_end']:.3f}"),
         ("peak Pass@1 / Pass@4", f"{summary['peak_pass@1']:.3f} / {summary['peak_pass@4']:.3f}"),
         ("updates / hour", f"{summary['updates_per_hour']:.0f}"),
