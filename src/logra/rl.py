@@ -129,7 +129,7 @@ class RLConfig:
     eval_fraction: float = 0.2
     optimizer: str = "logra"
     algorithm: str = "grpo"
-    updates: int = 800
+    updates: int = 2000
     prompts_per_update: int = 32
     responses_per_prompt: int = 8
     micro_batch: int = 256
@@ -147,10 +147,10 @@ class RLConfig:
     kl: KLControlConfig = field(default_factory=lambda: KLControlConfig(
         budget=1e-3, budget_final=1e-4, schedule_steps=0, probe_responses=32))
     tiny: TinyPolicyConfig = field(default_factory=TinyPolicyConfig)
-    eval_every: int = 100
+    eval_every: int = 250
     eval_problems: int = 500
     eval_samples: int = 8
-    checkpoint_every: int = 100
+    checkpoint_every: int = 250
     run_dir: str = "runs/default"
     cache_dir: str = "~/.cache/logra"
     seed: int = 0
