@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 from conftest import tiny_qwen2, token_batch
-from torch import nn
 
 from logra import (
     DeltaMismatchError, LoGRAConfig, LoGRAOptimizer, NonFiniteSketchError, PolicyDelta,

@@ -18,7 +18,12 @@ def plot_run(records: list[dict[str, Any]], run_dir: Path) -> list[Path]:
     paths = []
 
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-    ax[0].plot([r["update"] for r in train], [r["reward"] for r in train], label="train reward")
+    x, y = [r["update"] for r in train], [r["reward"] for r in train]
+    ax[0].plot(x, y, alpha=0.3, lw=0.8, label="train reward")
+    w = max(1, len(y) // 40)
+    if len(y) > w:
+        smooth = [sum(y[i - w: i]) / w for i in range(w, len(y) + 1)]
+        ax[0].plot(x[w - 1:], smooth, lw=2, label=f"moving mean ({w} updates)")
     ax[0].set_xlabel("update"), ax[0].set_ylabel("mean reward"), ax[0].legend()
     if evals:
         x = [r["update"] for r in evals]

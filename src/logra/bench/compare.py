@@ -317,13 +317,7 @@ def format_size_table(results: list[dict[str, Any]], unit: tuple[str, int]) -> s
         if cuda:
             steps = r.get("cuda_step_max_allocated")
             row.append(f"{statistics.fmean(steps) / div:.3f} / {max(steps) / div:.3f}" if steps else "-")
-        row.append(f"{r['step_time_median']:.2f} [{min(r['step_times']):.2f}–{max(r['step_times']):.2f}]")
-        row.append(f"{r['forward_backward_median']:.2f} / {r['optimizer_step_median']:.2f}")
-        if base is not None:
-            row += [f"{r['tracked_peak'] / base['tracked_peak']:.3f}",
-                    f"{r['step_time_median'] / base['step_time_median']:.3f}"]
-        else:
-            row += ["-", "-"]
+        row += memory.timing_cells(r, base)
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -31,10 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -47,6 +45,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from logra.bench import relay  # noqa: E402
 from logra.rl import RLConfig  # noqa: E402
 
 #: Methods in table order; the first is LoGRA, compared against the second.
@@ -319,7 +318,7 @@ def _finished_with(run_dir: Path, wanted: dict[str, Any]) -> bool:
             and json.loads(recorded.read_text()).get("args") == wanted["args"])
 
 
-def run_train(run_dir: Path, args: Sequence[str], reuse: bool = False, timeout: float | None = None) -> Path:
+def run_train(run_dir: Path, args: Sequence[str], reuse: bool = False) -> Path:
     """Run ``python -m logra.cli train ARGS --run_dir RUN_DIR --quiet`` in a fresh process.
 
     The run directory is emptied first (metrics.jsonl is appended to, so a stale one
@@ -340,15 +339,9 @@ def run_train(run_dir: Path, args: Sequence[str], reuse: bool = False, timeout: 
     cmd = [sys.executable, "-m", "logra.cli", "train", *args, "--run_dir", str(run_dir), "--quiet"]
     _log("$ " + " ".join(cmd))
     t0 = time.perf_counter()
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stderr.write(line)
-            sys.stderr.flush()
-        proc.wait(timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed with exit code {proc.returncode}")
+    code, last = relay(cmd)
+    if code != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed with exit code {code}: {last}")
     seconds = time.perf_counter() - t0
     (run_dir / "bench_args.json").write_text(json.dumps({**wanted, "seconds": seconds}))
     _log(f"finished {run_dir} in {seconds:.0f} s")
@@ -408,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=_FULL["seeds"], help="seeds per method: 0 .. N-1")
     p.add_argument("--updates", type=int, default=_FULL["updates"], help="RL updates per run")
     p.add_argument("--eval-problems", type=int, default=_FULL["eval_problems"],
-                   help="held-out problems per evaluation (4 samples each)")
+                   help="held-out problems per evaluation (RLConfig.eval_samples samples each)")
     p.add_argument("--eval-every", type=int, default=_FULL["eval_every"], help="evaluate every k updates")
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate of dense AdamW and LoRA (cosine schedule)")
     p.add_argument("--lora-lr", type=float, default=None, help="LoRA's learning rate (default: --lr, or the sweep's)")

@@ -37,9 +37,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +50,7 @@ import torch
 from torch import nn
 
 from logra import LoGRAConfig, LoGRAOptimizer
+from logra.bench import relay
 from logra.memory import CATEGORIES, GIB, MemoryReport, track_memory
 
 #: Methods in table order; the first is the baseline the ratios refer to.
@@ -355,18 +354,9 @@ def _spawn(method: str, argv: list[str], module: str = "logra.bench.memory") -> 
     with tempfile.TemporaryDirectory(prefix="logra-bench-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", module, *argv, "--worker", method, "--worker-out", str(out)]
-        last = ""
-        # Everything the worker prints (progress, library chatter) is relayed line by line to
-        # our sys.stderr, so the table on stdout stays clean and captured stderr still works.
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                sys.stderr.write(line)
-                sys.stderr.flush()
-                last = line.strip() or last
-        if proc.returncode != 0 or not out.exists():
-            raise WorkerError(method, proc.returncode, last)
+        code, last = relay(cmd)
+        if code != 0 or not out.exists():
+            raise WorkerError(method, code, last)
         return json.loads(out.read_text())
 
 
@@ -399,15 +389,20 @@ def format_table(results: list[dict[str, Any]]) -> str:
         row += [fmt(pc["buffers"] + pc["other"]), fmt(r["tracked_peak"]), fmt(r["rss_peak"])]
         if cuda:
             row.append(fmt(r["cuda_max_allocated"]) if r.get("cuda_max_allocated") is not None else "-")
-        row.append(f"{r['step_time_median']:.2f} [{min(r['step_times']):.2f}–{max(r['step_times']):.2f}]")
-        row.append(f"{r['forward_backward_median']:.2f} / {r['optimizer_step_median']:.2f}")
-        if base is not None:
-            row += [f"{r['tracked_peak'] / base['tracked_peak']:.3f}",
-                    f"{r['step_time_median'] / base['step_time_median']:.3f}"]
-        else:
-            row += ["-", "-"]
+        row += timing_cells(r, base)
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def timing_cells(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
+    """Step time (median [min–max]), its forward+backward / optimizer split, and the ratios
+    of tracked peak and step time to ``base`` (the AdamW row) — the tail of a table row."""
+    cells = [f"{r['step_time_median']:.2f} [{min(r['step_times']):.2f}–{max(r['step_times']):.2f}]",
+             f"{r['forward_backward_median']:.2f} / {r['optimizer_step_median']:.2f}"]
+    if base is None:
+        return cells + ["-", "-"]
+    return cells + [f"{r['tracked_peak'] / base['tracked_peak']:.3f}",
+                    f"{r['step_time_median'] / base['step_time_median']:.3f}"]
 
 
 def target_lines(results: list[dict[str, Any]]) -> list[str]:
