@@ -295,3 +295,13 @@ def test_tiny_language_model_learns():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.6 * losses[0], losses[::10]
+
+
+def test_rank_that_saves_no_memory_warns():
+    import warnings
+
+    with pytest.warns(UserWarning, match="as large as the dense gradients"):
+        LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=8))

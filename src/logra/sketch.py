@@ -218,11 +218,11 @@ class SketchSet:
                 raise ValueError(f"target {name} has a {w.dim()}-D weight; only 2-D weights are sketched")
             if rank > w.shape[1]:
                 raise ValueError(f"rank {rank} exceeds the input size {w.shape[1]} of target {name}")
-        wasteful = [n for n, w in weights.items() if rank * (w.shape[0] + w.shape[1]) >= w.numel()]
-        if wasteful:
+        kept = sum(rank * (w.shape[0] + w.shape[1]) for w in weights.values())
+        if kept >= sum(w.numel() for w in weights.values()):
             warnings.warn(
-                f"rank {rank}: the sketch and projection of {len(wasteful)} target(s) (e.g. {wasteful[0]}) are as "
-                "large as their dense gradient; choose a rank well below the layers' input sizes to save memory",
+                f"rank {rank}: the sketches and projections ({kept:,} values) are as large as the dense gradients "
+                "they replace; choose a rank well below the layers' input sizes to save memory",
                 stacklevel=3,
             )
         total = sum(w.shape[0] for w in weights.values())
