@@ -210,3 +210,21 @@ def test_yaml_example_config_runs(tmp_path):
     assert train_main(argv) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["updates"] == 1
+
+
+def test_rollouts_on_workers_with_verified_deltas(tmp_path):
+    """Two rollout workers generate the training batches and stay bitwise equal to the trainer."""
+    model, tok = _policy()
+    cfg = _config(tmp_path, updates=3, rollout_workers=2)
+    trainer = RLTrainer(cfg, model=model, tokenizer=tok, task=VowelTask(), progress=False)
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["rollout_workers_live"] for r in train] == [2, 2, 2]
+    assert all(r["sync_bytes"] > 0 for r in train)
+    # rollouts came from workers holding the trainer's policy: sampling and training log-probs agree
+    assert all(r["mismatch_kl"] < 1e-6 for r in train)
+    sync = [r for r in rows if r["kind"] == "sync"][-1]
+    assert set(sync["workers"].values()) == {sync["trainer"]}
+    with pytest.raises(ValueError, match="rollout_workers"):
+        RLConfig(rollout_workers=1, optimizer="adamw")

@@ -24,11 +24,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .config import LoGRAConfig
+from .delta import weights_checksum
 from .distributed import allreduce_sketches, global_token_count, init_from_env, verify_projections
 from .kl import DenseProposal, KLController, predicted_kl, probe_logits, realized_kl
 from .memory import GIB, peak_rss_bytes
 from .optimizer import LoGRAOptimizer
-from .rollout import Rollout, generate_rollouts, token_logprobs
+from .rollout import Rollout, generate_rollouts, layout_rollouts, token_logprobs
 from .tasks import Problem, Task, is_correct, make_task, pass_at_k
 from .tiny import TinyPolicyConfig
 
@@ -116,6 +117,9 @@ class RLConfig:
         device: 'auto', 'cpu' or 'cuda[:i]' (under data parallelism: each rank's own device).
         threads: CPU threads for torch (0 = torch's default; split between ranks with dp).
         dp: data-parallel processes to spawn on this machine (or launch with torchrun).
+        rollout_workers: separate processes that hold their own copy of the policy, receive
+            every update as a verified low-rank delta (`logra.sync`) and generate the
+            training rollouts (LoGRA, one trainer process; 0 = generate in the trainer).
     """
 
     model: str = ""
@@ -158,6 +162,7 @@ class RLConfig:
     device: str = "auto"
     threads: int = 0
     dp: int = 1
+    rollout_workers: int = 0
 
     def __post_init__(self) -> None:
         choices = {"optimizer": ("logra", "adamw", "lora"), "algorithm": ("grpo", "reinforce"),
@@ -174,6 +179,8 @@ class RLConfig:
             raise ValueError("GRPO needs responses_per_prompt >= 2 (advantages are group-normalised)")
         if self.dp < 1 or self.prompts_per_update % self.dp:
             raise ValueError(f"prompts_per_update ({self.prompts_per_update}) must be a multiple of dp ({self.dp})")
+        if self.rollout_workers and (self.dp > 1 or self.optimizer != "logra"):
+            raise ValueError("rollout_workers needs optimizer='logra' and dp=1 (workers receive LoGRA deltas)")
         if self.eval_samples < 4:
             raise ValueError("eval_samples must be >= 4 to estimate Pass@4")
         if not 0 < self.temperature or not 0 < self.top_p <= 1:
@@ -248,6 +255,24 @@ def _resolve_device(name: str) -> torch.device:
 
 def _cosine_lambda(total: int):
     return lambda step: 0.5 * (1 + math.cos(math.pi * min(step / max(total, 1), 1.0)))
+
+
+def _rollout_worker_main(rank: int, world: int, store: str, policy_dir: str, logra: dict[str, Any]) -> None:
+    """A rollout worker process: its own policy copy, kept current by verified deltas."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from .sync import RolloutWorker
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+        worker = RolloutWorker(model, LoGRAConfig(**logra), trainer_rank=0)
+        worker.connect()
+        worker.serve()
+    finally:
+        dist.destroy_process_group()
 
 
 class _StopAtBoundary:
@@ -351,6 +376,7 @@ class RLTrainer:
             verify_projections(self.optimizer)
         # each rank samples its own responses; a fixed function of (seed, rank)
         torch.manual_seed(config.seed * 1_000 + self.rank)
+        self.publisher = self._start_rollout_workers() if config.rollout_workers else None
         self.controller = KLController(
             budget=config.kl.budget, budget_final=config.kl.budget_final,
             schedule_steps=config.kl.schedule_steps or config.updates,
@@ -420,8 +446,16 @@ class RLTrainer:
         return torch.tensor([self.task.score(p, t) for p, t in zip(problems, texts)], dtype=torch.float32)
 
     # ------------------------------------------------------------- one update
-    def _rollout(self, problems: list[Problem], samples: int) -> tuple[list[Problem], Rollout]:
+    def _rollout(self, problems: list[Problem], samples: int, workers: bool = False) -> tuple[list[Problem], Rollout]:
         expanded = [p for p in problems for _ in range(samples)]
+        if workers and self.publisher is not None:
+            ids = self.tokenizer([p.prompt for p in expanded])["input_ids"]
+            samples_ = self.publisher.generate(ids, self.config.max_new_tokens, self.config.temperature,
+                                               seed=self.config.seed * 1_000_003 + self.update * len(ids),
+                                               eos_token_id=self.tokenizer.eos_token_id)
+            rows = [(s.prompt_ids, s.response_ids, s.logprobs, self.tokenizer.eos_token_id not in s.response_ids)
+                    for s in samples_]
+            return expanded, layout_rollouts(rows, self.tokenizer, self.device)
         rollout = generate_rollouts(
             self.model, self.tokenizer, [p.prompt for p in expanded], temperature=self.config.temperature,
             top_p=self.config.top_p, max_new_tokens=self.config.max_new_tokens, batch_size=max(self.config.micro_batch, 64),
@@ -434,7 +468,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        problems, rollout = self._rollout(self._train_problems(self.update), cfg.responses_per_prompt)
+        problems, rollout = self._rollout(self._train_problems(self.update), cfg.responses_per_prompt, workers=True)
         rewards = self._score(problems, rollout.responses)
         t_rollout = time.perf_counter()
 
@@ -443,7 +477,9 @@ class RLTrainer:
         reward_sum, correct, n_all = self._sum([float(rewards.sum()), sum(is_correct(r) for r in rewards.tolist()),
                                                 n_local])
         self.baseline = cfg.baseline_decay * self.baseline + (1 - cfg.baseline_decay) * reward_sum / n_all
-        n_tokens = global_token_count(int(rollout.response_mask.sum()))
+        n_tokens = int(rollout.response_mask.sum())
+        if self.world > 1:  # (a process group may also exist for rollout workers alone)
+            n_tokens = global_token_count(n_tokens)
         self.model.train()
         loss_sum, clip_sum, mismatch_sum = 0.0, 0.0, 0.0
         for start in range(0, len(rollout), cfg.micro_batch):
@@ -513,6 +549,11 @@ class RLTrainer:
         if isinstance(self.optimizer, LoGRAOptimizer):
             delta = self.optimizer.apply(proposal, alpha)
             extra["delta_bytes"] = delta.nbytes
+            if self.publisher is not None:
+                report = self.publisher.publish(delta)
+                extra["rollout_workers_live"] = len(self.publisher.live)
+                extra["sync_bytes"] = report.sent_bytes
+                extra["resyncs"] = sum(o.startswith("resynced") for o in report.outcome.values())
         else:
             proposal.apply(alpha)
             extra["delta_bytes"] = sum(p.numel() * 2 for p in self.model.parameters() if p.requires_grad)
@@ -527,6 +568,43 @@ class RLTrainer:
             "realized_kl": real_sum / n_sum,
         })
         return extra
+
+    # ------------------------------------------------------------- rollout workers
+    def _start_rollout_workers(self):
+        """Spawn the workers, form a gloo group (trainer = rank 0) and hand-shake."""
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        from .sync import PolicyPublisher
+
+        if dist.is_initialized():
+            raise ValueError("rollout_workers cannot share a process group with data parallelism")
+        n = self.config.rollout_workers
+        policy_dir = self.run_dir / "rollout-policy"
+        self.model.save_pretrained(policy_dir)
+        store = self.run_dir / f"rollout-store-{time.time_ns()}"
+        ctx = mp.get_context("spawn")
+        self._worker_procs = [
+            ctx.Process(target=_rollout_worker_main, args=(rank, n + 1, str(store), str(policy_dir),
+                                                           self.config.logra.to_dict()), daemon=True)
+            for rank in range(1, n + 1)
+        ]
+        for proc in self._worker_procs:
+            proc.start()
+        dist.init_process_group("gloo", store=dist.FileStore(str(store), n + 1), rank=0, world_size=n + 1)
+        return PolicyPublisher(self.model, self.config.logra, list(range(1, n + 1)), optimizer=self.optimizer)
+
+    def close(self) -> None:
+        """Stop the rollout workers (if any) and leave their process group."""
+        if self.publisher is None:
+            return
+        import torch.distributed as dist
+
+        self.publisher.close()
+        for proc in self._worker_procs:
+            proc.join(timeout=60)
+        dist.destroy_process_group()
+        self.publisher = None
 
     # ------------------------------------------------------------- data parallelism
     def _stop_requested(self, stop: _StopAtBoundary) -> bool:
@@ -690,6 +768,10 @@ class RLTrainer:
             return {"interrupted": True, "update": self.update}
         self._evaluate_and_log()
         self.save_checkpoint()
+        if self.publisher is not None:
+            self.log.write({"kind": "sync", "update": self.update, "trainer": weights_checksum(self.model),
+                            "workers": self.publisher.checksums()})
+        self.close()
         return self._finish() if self.rank == 0 else {"rank": self.rank, "updates": self.update}
 
     def _evaluate_and_log(self, bar: tqdm | None = None) -> dict[str, Any] | None:

@@ -103,6 +103,15 @@ def generate_rollouts(
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
+    return layout_rollouts(rows, tokenizer, device)
+
+
+def layout_rollouts(
+    rows: list[tuple[list[int], list[int], list[float], bool]], tokenizer, device: torch.device | str = "cpu"
+) -> Rollout:
+    """Right-padded `Rollout` from ``(prompt ids, response ids, response log-probs, truncated)`` rows,
+    wherever they were sampled (here or on rollout workers)."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     length = max(len(p) + len(r) for p, r, _, _ in rows)
     b = len(rows)
     ids = torch.full((b, length), pad, dtype=torch.long)
