@@ -784,7 +784,8 @@ class RLTrainer:
         self.log.write(result)
         message = (f"eval @ update {result['update']}: pass@1 {result['pass@1']:.3f} ± {result['pass@1_stderr']:.3f}"
                    f"  pass@4 {result['pass@4']:.3f}  reward {result['reward']:.3f}")
-        (bar.write if bar is not None else print)(message)
+        if self.progress:
+            (bar.write if bar is not None else print)(message)
         return result
 
     def _finish(self) -> dict[str, Any]:
