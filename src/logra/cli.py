@@ -9,10 +9,15 @@ from __future__ import annotations
 import importlib
 import sys
 
+from ._optional import require_extra
+from .errors import MissingExtraError
+
 _COMMANDS = {
     "train": ("logra.train", "RL post-training (the main job; no arguments = the embedded default)"),
     "estimate": ("logra.estimate", "memory planner: per-GPU memory of dense Adam, LoRA and LoGRA"),
 }
+#: the extra each command needs beyond the library (`logra._optional`).
+_EXTRA = {"train": "rl", "estimate": None, "compare": "bench"}
 _BENCHMARKS = {
     "memory": "AdamW vs LoGRA peak memory by category and step time",
     "kl": "predicted vs realised KL over consecutive RL updates",
@@ -50,7 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"logra: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    return int(importlib.import_module(module).main(rest) or 0)
+    name = module.rsplit(".", 1)[1]
+    try:
+        extra = _EXTRA.get(name, "rl")
+        if extra:
+            require_extra(extra, f"logra {' '.join(argv[:2]) if command == 'bench' else command}")
+        return int(importlib.import_module(module).main(rest) or 0)
+    except MissingExtraError as e:
+        print(f"logra: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -21,3 +21,7 @@ class DeltaMismatchError(LoGRAError):
 
 class KLPredictionError(LoGRAError):
     """The predicted KL is non-finite or negative, or there is nothing to probe."""
+
+
+class MissingExtraError(LoGRAError, ImportError):
+    """An optional dependency is not installed; the message names the extra that installs it."""

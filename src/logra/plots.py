@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from ._optional import require
 
-matplotlib.use("Agg")
+require("matplotlib").use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._optional import require
+
 __all__ = [
     "EXTRACT_MODES",
     "REASONING_GYM_HARD",
@@ -438,9 +440,7 @@ def list_tasks() -> list[str]:
     """
     # Imported lazily: reasoning_gym takes seconds to import, which users of
     # the JSONL task alone should not pay.
-    from reasoning_gym.factory import DATASETS
-
-    return sorted(DATASETS)
+    return sorted(require("reasoning_gym.factory").DATASETS)
 
 
 def _unknown_task_error(name: str, valid: Sequence[str]) -> ValueError:
@@ -498,8 +498,7 @@ class ReasoningGymTask(Task):
         instruction: str | None = None,
         strip_prefix: str = "",
     ) -> None:
-        import reasoning_gym
-
+        reasoning_gym = require("reasoning_gym")
         valid = list_tasks()
         if name not in valid:
             raise _unknown_task_error(name, valid)
@@ -588,7 +587,7 @@ def _main_thread() -> bool:
 
 
 def _parse_math(text: str) -> list[Any]:
-    from math_verify import parse
+    parse = require("math_verify").parse
 
     # math_verify's timeout uses signal.alarm, which only works in the main
     # thread; elsewhere it must be disabled or parse raises.
@@ -604,7 +603,7 @@ def _normalize_text(text: str) -> str:
 
 
 def _math_equal(gold: str, pred: str) -> bool:
-    from math_verify import verify
+    verify = require("math_verify").verify
 
     gold_parsed = _parse_math(gold)
     pred_parsed = _parse_math(pred)
@@ -883,9 +882,7 @@ def _rg_hard(**kw: Any) -> MixtureTask:
     installed = set(list_tasks())
     missing = [n for n in REASONING_GYM_HARD if n not in installed]
     if missing:
-        import reasoning_gym
-
-        version = getattr(reasoning_gym, "__version__", "unknown")
+        version = getattr(require("reasoning_gym"), "__version__", "unknown")
         raise ValueError(
             f"the 'rg-hard' preset needs reasoning-gym tasks {missing}, which the installed "
             f"reasoning_gym (version {version}) does not provide; build a MixtureTask of the others explicitly"

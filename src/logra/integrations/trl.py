@@ -84,7 +84,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from trl import GRPOConfig, GRPOTrainer
+from .._optional import require
+
+_trl = require("trl")
+GRPOConfig, GRPOTrainer = _trl.GRPOConfig, _trl.GRPOTrainer
 
 from ..config import LoGRAConfig
 from ..kl import KLController
