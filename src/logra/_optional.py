@@ -31,8 +31,9 @@ def require(module: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
-        hint = install_hint(e.name or module)
-        if hint is None:
+        top = (e.name or module).split(".")[0]
+        hint = install_hint(top)
+        if hint is None or importlib.util.find_spec(top) is not None:
             raise
         raise MissingExtraError(f"{module} is not installed; it comes with: {hint}") from e
 
