@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from logra import LoGRAConfig, LoGRAOptimizer
-    from logra.tiny import byte_tokenizer
+    from logra.rl.tiny import byte_tokenizer
 
     tokenizer = byte_tokenizer(padding_side="right")
     heads = max(1, opts.hidden // 32)

@@ -58,7 +58,7 @@ def build_tiny_model(path: str, hidden: int, layers: int, seed: int) -> None:
     """Save a random fp32 Qwen2 and a byte-level tokenizer to ``path``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from logra.tiny import byte_tokenizer
+    from logra.rl.tiny import byte_tokenizer
 
     tok = byte_tokenizer()
     heads = max(1, hidden // 32)

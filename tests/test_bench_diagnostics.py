@@ -24,7 +24,7 @@ from logra.bench import diagnostics, learn
 from logra.bench.diagnostics import ProjectionVariant, cosines, predicted_cosines, reconstruction_stats
 from logra.rl import KLControlConfig, RLConfig, RLTrainer
 from logra.tasks import Problem, Task
-from logra.tiny import byte_tokenizer
+from logra.rl.tiny import byte_tokenizer
 
 from conftest import tiny_qwen2, token_batch
 

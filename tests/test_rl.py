@@ -11,7 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from logra.config import LoGRAConfig
 from logra.rl import KLControlConfig, RLConfig, RLTrainer, advantages, policy_loss
 from logra.tasks import Problem, Task
-from logra.tiny import byte_tokenizer
+from logra.rl.tiny import byte_tokenizer
 from logra.train import main as train_main
 
 
@@ -81,12 +81,12 @@ def test_updates_change_policy_under_kl_control(tmp_path, optimizer):
                         progress=False)
     records = [trainer.train_step() for _ in range(3)]
     for r in records:
-        assert {"reward", "loss", "predicted_kl", "alpha", "budget", "realized_kl", "time_rollout",
-                "time_train", "time_sync", "truncation_rate", "clip_frac", "response_len"} <= set(r)
+        assert {"reward", "loss", "expected_kl", "alpha", "effective_budget", "realized_kl", "time_rollout",
+                "time_train", "time_step", "truncation_rate", "clip_frac", "response_len"} <= set(r)
         assert 0 < r["alpha"] <= 3.0
         # the step was sized to the budget and the realised KL matches the prediction
-        assert r["realized_kl"] == pytest.approx(r["predicted_kl"], rel=0.25)
-        assert r["predicted_kl"] <= r["budget"] * (1 + 1e-6)
+        assert r["realized_kl"] == pytest.approx(r["expected_kl"], rel=0.25)
+        assert r["expected_kl"] <= r["effective_budget"] * (1 + 1e-6)
     after = dict(trainer.model.named_parameters())
     if optimizer == "logra":
         changed = {n for n in names if not torch.equal(before[n], after[n])}

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-from logra.tiny import (
+from logra.rl.tiny import (
     EOS_TOKEN,
     PAD_TOKEN,
     TinyPolicyConfig,
@@ -132,7 +132,7 @@ def test_batched_generation_with_left_padding_stops_and_pads():
 
 
 def _answer_loss(model, tok, demos) -> float:
-    from logra.tiny import _collate, _encode_demonstrations
+    from logra.rl.tiny import _collate, _encode_demonstrations
 
     seqs, starts = _encode_demonstrations(tok, demos, model.config.max_position_embeddings)
     ids, mask, labels = _collate(seqs, starts, tok.pad_token_id)
@@ -155,7 +155,7 @@ def test_warm_start_loss_falls_on_fixed_set():
 
 
 def test_warm_start_masks_prompt_tokens():
-    from logra.tiny import _collate, _encode_demonstrations
+    from logra.rl.tiny import _collate, _encode_demonstrations
 
     tok = byte_tokenizer()
     seqs, starts = _encode_demonstrations(tok, [("1 + 2 =", " 3"), ("10 + 20 =", " 30")], 32)

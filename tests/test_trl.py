@@ -29,7 +29,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from logra import KLController, LoGRAConfig, LoGRAError  # noqa: E402
 from logra.integrations import KLControlledLoGRA  # noqa: E402
 from logra.integrations.trl import LoGRAGRPOTrainer  # noqa: E402
-from logra.tiny import byte_tokenizer  # noqa: E402
+from logra.rl.tiny import byte_tokenizer  # noqa: E402
 
 BUDGET = 1e-6  # constant and far below the full step's KL, so α < α_max is exercised
 TRL_KEYS = {"loss", "grad_norm", "learning_rate", "reward", "reward_std", "entropy", "rewards/digits/mean",

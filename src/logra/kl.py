@@ -9,10 +9,13 @@ is the second-order KL between the policies before and after the step. A
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -206,6 +209,10 @@ class DenseProposal:
                 delattr(module, name)
                 module._parameters[name] = p
 
+    def norm(self) -> float:
+        """Global ``‖Δθ‖`` of the displacement (fp32 accumulation)."""
+        return math.sqrt(sum(float(d.float().square().sum()) for d in self.displacements.values()))
+
     @torch.no_grad()
     def apply(self, alpha: float = 1.0) -> None:
         """``θ ← θ + α·Δθ`` (once)."""
@@ -220,7 +227,7 @@ class DenseProposal:
 
 # ----------------------------------------------------------------------- the controller
 class KLController:
-    """Scale each update so its predicted KL meets a budget (spec §5).
+    """Scale each update so its predicted KL meets a budget (docs/method.md §5).
 
     The budget follows a cosine (or constant) schedule from ``budget`` to
     ``budget_final`` over ``schedule_steps`` updates. The observed KL between the rollout
@@ -234,7 +241,7 @@ class KLController:
         budget: float = 2e-4,
         budget_final: float = 2e-5,
         schedule_steps: int = 300,
-        schedule: str = "cosine",
+        schedule: Literal["cosine", "constant"] = "cosine",
         alpha_max: float = 3.0,
         mismatch_ema: float = 0.3,
         mismatch_floor: float = 0.5,
@@ -303,3 +310,107 @@ class KLController:
         if settings:
             for key, value in state.items():
                 setattr(self, key, value)
+
+
+# ----------------------------------------------------------------------- one controlled update
+@dataclass
+class KLControlConfig:
+    """Predicted-KL step control: the `KLController`'s settings and the probe's.
+
+    Defaults are the paper's (docs/method.md §5).
+
+    Attributes:
+        enabled: scale every update to the KL budget (off: α = 1 always).
+        budget: KL budget at the first update.
+        budget_final: KL budget at the end of the schedule.
+        schedule_steps: updates over which the budget decays (0 = the run's number of updates).
+        schedule: 'cosine' or 'constant'.
+        alpha_max: largest scale (the step may grow up to this factor).
+        mismatch_ema: EMA weight of the rollout-vs-trainer KL subtracted from the budget.
+        mismatch_floor: the effective budget never drops below this fraction of the budget.
+        probe_responses: responses of the batch used as probe data.
+        probe_max_tokens: at most this many probe positions.
+    """
+
+    enabled: bool = True
+    budget: float = 2e-4
+    budget_final: float = 2e-5
+    schedule_steps: int = 300
+    schedule: Literal["cosine", "constant"] = "cosine"
+    alpha_max: float = 3.0
+    mismatch_ema: float = 0.3
+    mismatch_floor: float = 0.5
+    probe_responses: int = 2
+    probe_max_tokens: int = 4096
+
+    def controller(self, total_updates: int = 300) -> KLController:
+        """A `KLController` with these settings (``schedule_steps=0`` → ``total_updates``)."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _CONTROLLER_ARGS}
+        kw["schedule_steps"] = self.schedule_steps or total_updates
+        return KLController(**kw)
+
+
+_CONTROLLER_ARGS = frozenset(
+    ("budget", "budget_final", "schedule_steps", "schedule", "alpha_max", "mismatch_ema", "mismatch_floor"))
+_T = TypeVar("_T")
+Probe = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]
+
+
+def probe_count(response_mask: torch.Tensor, max_tokens: int) -> int:
+    """Number of positions `predicted_kl` averages over (so ranks can pool their means exactly)."""
+    return min(int(response_mask[:, 1:].sum()), max_tokens)
+
+
+def controlled_update(
+    model: nn.Module,
+    proposal: Displacement,
+    apply: Callable[[float], _T],
+    controller: KLController | None,
+    step: int,
+    probe: Probe | None,
+    *,
+    temperature: float = 1.0,
+    max_tokens: int = 4096,
+    chunk: int = 64,
+    measure_realized: bool = True,
+    reduce: Callable[[list[float]], list[float]] | None = None,
+) -> tuple[_T, dict[str, float]]:
+    """One KL-controlled update: predicted KL of ``proposal`` → ``α`` → ``apply(α)`` → realised KL.
+
+    ``apply`` is what takes the step (``optimizer.apply(proposal, α)`` for LoGRA,
+    ``proposal.apply(α)`` for a `DenseProposal`); its result is returned with the
+    statistics. ``reduce`` sums lists of floats over data-parallel ranks, so every rank
+    gets the same pooled prediction and ``α``. Without a controller (or probe) ``α = 1``.
+
+    Returns:
+        ``(apply's result, stats)``; stats holds ``alpha``, ``time_kl`` and, where measured,
+        ``predicted_kl`` (the full proposal), ``expected_kl`` (after ``α``), ``budget``,
+        ``effective_budget``, ``mismatch``, ``realized_kl`` and ``time_check`` (the realised-KL
+        measurement alone).
+
+    Raises:
+        KLPredictionError: a non-finite or negative prediction (nothing is applied).
+    """
+    pool = reduce or (lambda values: values)
+    n = probe_count(probe[2], max_tokens) if probe is not None else 0
+    stats: dict[str, float] = {}
+    alpha = 1.0
+    t0 = time.perf_counter()
+    if controller is not None and probe is not None:
+        kl = predicted_kl(model, proposal, *probe, temperature=temperature, max_tokens=max_tokens, chunk=chunk)
+        kl_sum, n_sum = pool([kl * n, n])
+        alpha = controller.scale(kl_sum / n_sum, step)
+        stats.update(controller.last)
+    stats["time_kl"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    before = probe_logits(model, *probe, max_tokens=max_tokens) if measure_realized and probe is not None else None
+    t2 = time.perf_counter()
+    result = apply(alpha)
+    t3 = time.perf_counter()
+    if before is not None:
+        after = probe_logits(model, *probe, max_tokens=max_tokens)
+        real_sum, n_sum = pool([realized_kl(before, after, temperature) * n, n])
+        stats["realized_kl"] = real_sum / n_sum
+        stats["time_check"] = (t2 - t1) + (time.perf_counter() - t3)
+    stats["alpha"] = alpha
+    return result, stats

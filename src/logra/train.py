@@ -20,71 +20,63 @@ from typing import Any
 
 import yaml
 
-from .rl import RLConfig, RLTrainer
+from .rl import RECIPES, RLConfig, RLTrainer
+from .rl.config import config_from, flat_fields
 
 _RESUMABLE_CHANGES = {"updates", "eval_every", "checkpoint_every", "tensorboard", "threads"}
 
 
-def _field_docs(cls: type) -> dict[str, str]:
-    """Field help from the 'Attributes:' section of a dataclass docstring."""
-    doc = (cls.__doc__ or "").split("Attributes:", 1)
+def _field_docs() -> dict[str, str]:
+    """Dotted key → help text, from the 'Attributes:' sections of the config docstrings."""
     docs: dict[str, str] = {}
-    if len(doc) == 2:
+    sections = {"": RLConfig, **{f.name + ".": type(getattr(RLConfig(), f.name)) for f in dataclasses.fields(RLConfig)
+                                 if dataclasses.is_dataclass(getattr(RLConfig(), f.name))}}
+    for prefix, cls in sections.items():
+        doc = (cls.__doc__ or "").split("Attributes:", 1)
         current = None
-        for line in doc[1].splitlines():
+        for line in doc[1].splitlines() if len(doc) == 2 else []:
             m = re.match(r"\s{8}(\w+): (.*)", line)
             if m:
-                current = m.group(1)
+                current = prefix + m.group(1)
                 docs[current] = m.group(2).strip()
             elif current and line.strip():
                 docs[current] += " " + line.strip()
     return docs
 
 
-def _flat_fields(cls: type, prefix: str = "") -> dict[str, tuple[Any, str]]:
-    """Dotted key → (default value, help) for every leaf field of a nested dataclass."""
-    out: dict[str, tuple[Any, str]] = {}
-    docs = _field_docs(cls)
-    default = cls()
-    for f in dataclasses.fields(cls):
-        value = getattr(default, f.name)
-        if dataclasses.is_dataclass(value):
-            out.update(_flat_fields(type(value), f"{prefix}{f.name}."))
-        else:
-            out[prefix + f.name] = (value, docs.get(f.name, ""))
-    return out
-
-
-def _coerce(key: str, text: Any, default: Any) -> Any:
+def _coerce(key: str, text: Any, field: dataclasses.Field) -> Any:
+    """A command-line or config-file value as the type the field is annotated with."""
+    kind = str(field.type)
     if not isinstance(text, str):
-        return tuple(text) if isinstance(default, tuple) else text
-    if isinstance(default, dict):
-        value = yaml.safe_load(text) if text.strip() else {}
-        if not isinstance(value, dict):
-            raise SystemExit(f"logra train: --{key} expects a mapping such as '{{min_digits: 1}}', got {text!r}")
-        return value
+        return tuple(text) if kind.startswith("tuple") else text
     low = text.strip().lower()
-    if low in ("none", "null") and (default is None or key.endswith(("update_ratio", "max_grad_norm"))):
+    if low in ("none", "null") and "None" in kind:
         return None
     try:
-        if isinstance(default, bool):
+        if kind.startswith("dict"):
+            value = yaml.safe_load(text) if text.strip() else {}
+            if not isinstance(value, dict):
+                raise ValueError
+            return value
+        if kind.startswith("bool"):
             if low not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError
             return low in ("true", "1", "yes")
-        if isinstance(default, int):
+        if kind.startswith("int"):
             return int(text)
-        if isinstance(default, float) or default is None:
+        if kind.startswith("float"):
             return float(text)
-        if isinstance(default, tuple):
+        if kind.startswith("tuple"):
             return tuple(s.strip() for s in text.split(",") if s.strip())
     except ValueError:
-        raise SystemExit(f"logra train: --{key} expects a {type(default).__name__}, got {text!r}") from None
+        expected = "a mapping such as '{min_digits: 1}'" if kind.startswith("dict") else f"a {kind.split(' ')[0]}"
+        raise SystemExit(f"logra train: --{key} expects {expected}, got {text!r}") from None
     return text
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested sections → dotted keys; dict-valued options (``task_config``) stay whole."""
-    leaves = _flat_fields(RLConfig)
+    leaves = flat_fields()
     out = {}
     for k, v in tree.items():
         if isinstance(v, dict) and prefix + k not in leaves:
@@ -101,25 +93,21 @@ def _unknown(key: str, valid: list[str], where: str) -> SystemExit:
     return SystemExit(f"logra train: unknown option {key!r} in {where}{hint} (see `logra train --help`)")
 
 
-def build_config(values: dict[str, Any]) -> RLConfig:
-    """An `RLConfig` from dotted keys (unknown keys name the nearest valid one)."""
-    fields = _flat_fields(RLConfig)
+def build_config(values: dict[str, Any], recipe: str | None = None) -> RLConfig:
+    """An `RLConfig` from dotted keys over a recipe's settings (unknown keys name the nearest valid one).
+
+    Every problem is a one-line `SystemExit` (``logra train: ...``), never a traceback.
+    """
+    fields = flat_fields()
     for key in values:
         if key not in fields:
             raise _unknown(key, list(fields), "the config")
-    nested: dict[str, dict[str, Any]] = {}
-    top: dict[str, Any] = {}
-    for key, value in values.items():
-        value = _coerce(key, value, fields[key][0])
-        if "." in key:
-            section, name = key.split(".", 1)
-            nested.setdefault(section, {})[name] = value
-        else:
-            top[key] = value
-    base = RLConfig()
-    for section, changes in nested.items():
-        top[section] = dataclasses.replace(getattr(base, section), **changes)
-    return dataclasses.replace(base, **top)
+    typed = {key: _coerce(key, value, fields[key]) for key, value in values.items()}
+    base = RECIPES[recipe].settings(typed.get("task")) if recipe else {}
+    try:
+        return config_from({**base, **typed})
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"logra train: {e}") from None
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -134,20 +122,37 @@ def load_config_file(path: str) -> dict[str, Any]:
     return _flatten(tree)
 
 
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return repr(value) if isinstance(value, (str, dict)) else str(value)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="logra train",
         description="RL post-training with LoGRA (default), dense AdamW or LoRA. With no arguments: the "
-        "embedded default (a tiny Qwen2 policy, warm-started and cached, then RL on a reasoning-gym task).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "embedded default (recipe 'embedded': a tiny Qwen2 policy, warm-started and cached, then RL on a "
+        "reasoning-gym task). Defaults shown are the embedded default's; where a run without a recipe "
+        "(any --model) differs, that value is shown too.",
     )
     parser.add_argument("--config", help="YAML or TOML file of options (flags override it)")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
-    for key, (default, doc) in _flat_fields(RLConfig).items():
-        shown = ",".join(default) if isinstance(default, tuple) else repr(default) if isinstance(default, (str, dict)) else default
-        parser.add_argument(f"--{key}", dest=key, default=argparse.SUPPRESS, metavar="FLOAT" if default is None else type(default).__name__.upper(),
-                            help=f"{doc} (default: {shown})")
+    recipes = "; ".join(f"'{r.name}': {r.description}" for r in RECIPES.values())
+    parser.add_argument("--recipe", choices=[*RECIPES, "none"], default=None,
+                        help=f"preset settings under the options: {recipes}; 'none': the plain defaults "
+                             "(default: 'embedded' without --model, else 'none')")
+    docs = _field_docs()
+    embedded = _flatten(build_config({}, "embedded").to_dict())
+    plain = _flatten(RLConfig().to_dict())
+    for key, f in flat_fields().items():
+        default = f"{_shown(_coerce_saved(embedded[key]))}"
+        if plain[key] != embedded[key]:
+            default += f"; without a recipe: {_shown(_coerce_saved(plain[key]))}"
+        kind = str(f.type).split(" ")[0].split("[")[0].upper()
+        parser.add_argument(f"--{key}", dest=key, default=argparse.SUPPRESS, metavar=kind,
+                            help=f"{docs.get(key, '')} (default: {default})")
     return parser
 
 
@@ -156,10 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        raise _unknown(extra[0].lstrip("-").split("=")[0], list(_flat_fields(RLConfig)), "the command line")
-    flags = {k: v for k, v in vars(args).items() if k not in ("config", "resume", "quiet")}
+        raise _unknown(extra[0].lstrip("-").split("=")[0], list(flat_fields()), "the command line")
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "resume", "quiet", "recipe")}
     values = load_config_file(args.config) if args.config else {}
     values.update(flags)
+    recipe = args.recipe or ("none" if values.get("model") else "embedded")
     if args.resume:
         saved_path = Path(args.resume) / "checkpoint" / "config.json"
         if not saved_path.exists():
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                              + ", ".join(f"{k}={saved.get(k)!r} (asked {current.get(k)!r})" for k in differ))
         config = dataclasses.replace(wanted, run_dir=args.resume)
     else:
-        config = build_config(values)
+        config = build_config(values, None if recipe == "none" else recipe)
     if config.dp > 1:
         from .distributed import spawn_local
 

@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..rl import RLConfig, RLTrainer
+from ..rl import RLTrainer, recipe_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its tables."""
     args = _parser().parse_args(argv)
-    base = RLConfig()
+    base = recipe_config("embedded", **({"model": args.model} if args.model else {}))
     kl = base.kl if args.budget is None else dataclasses.replace(base.kl, schedule="constant", budget=args.budget)
     config = dataclasses.replace(
         base, model=args.model, optimizer=args.optimizer, updates=args.updates, eval_every=0, checkpoint_every=0,
@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         r = trainer.train_step()
         trainer.log.write(r)
         step = r["time_update"] - r["time_kl"] - r["time_check"]
-        rows.append((r["update"], r["predicted_kl"], r["realized_kl"], r["alpha"], r["budget"], r["time_kl"], step))
-        print(f"update {r['update']:3d}: predicted {r['predicted_kl']:.3e}  realised {r['realized_kl']:.3e}  "
+        rows.append((r["update"], r["expected_kl"], r["realized_kl"], r["alpha"], r["effective_budget"], r["time_kl"],
+                     step))
+        print(f"update {r['update']:3d}: predicted {r['expected_kl']:.3e}  realised {r['realized_kl']:.3e}  "
               f"α {r['alpha']:.2f}", file=sys.stderr)
     print(format_table(rows, args))
     path = scatter(rows, Path(args.out_dir))

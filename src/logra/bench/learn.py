@@ -46,15 +46,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from logra.bench import relay  # noqa: E402
-from logra.rl import RLConfig  # noqa: E402
+from logra.rl import recipe_config  # noqa: E402
 
 #: Methods in table order; the first is LoGRA, compared against the second.
 METHODS: tuple[str, ...] = ("logra", "adamw", "lora")
 _LABELS = {"logra": "LoGRA", "adamw": "Dense AdamW", "lora": "LoRA"}
 #: The noise threshold of the verdict, in standard errors of the difference of means.
 NOISE_SE = 2.0
-_FULL = {"seeds": 3, "updates": RLConfig().updates, "eval_problems": RLConfig().eval_problems,
-         "eval_every": RLConfig().eval_every}
+_EMBEDDED = recipe_config("embedded")
+_FULL = {"seeds": 3, "updates": _EMBEDDED.updates, "eval_problems": _EMBEDDED.eval_problems,
+         "eval_every": _EMBEDDED.eval_every}
 
 
 # ----------------------------------------------------------------------- run summaries
@@ -386,7 +387,7 @@ def title_tag(notes: Sequence[str], passthrough: Sequence[str] = ()) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's command line (``logra bench learn --help``)."""
-    d = RLConfig()
+    d = _EMBEDDED
     p = argparse.ArgumentParser(
         prog="logra bench learn",
         allow_abbrev=False,  # `--seed` etc. must reach `logra train`, not abbreviate our `--seeds`

@@ -23,7 +23,7 @@ from torch import nn
 from ..config import LoGRAConfig
 from ..delta import PolicyDelta
 from ..errors import LoGRAError
-from ..kl import KLController, predicted_kl, probe_logits, realized_kl
+from ..kl import KLController, controlled_update
 from ..optimizer import LoGRAOptimizer
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class KLControlledLoGRA(LoGRAOptimizer):
         probe_max_tokens: at most this many probe positions per prediction.
         probe_chunk: positions per chunk of the float64 Fisher quadratic.
         measure_realized_kl: also log the exact KL on the probe before/after the step
-            (two extra forward passes over the probe; spec §5.6).
+            (two extra forward passes over the probe).
         last_stats: the statistics of the last step (keys in `STAT_KEYS`).
         last_delta: the `PolicyDelta` of the last step, for rollout engines.
     """
@@ -121,28 +121,17 @@ class KLControlledLoGRA(LoGRAOptimizer):
             with torch.enable_grad():
                 loss = closure()
         proposal = self.propose()
-        stats: dict[str, float] = {"sketch_norm": proposal.sketch_norm, "update_norm": proposal.update_norm}
         probe, self._probe = self._probe, None
-        alpha = 1.0
-        if self.controller is not None:
-            if probe is None:
-                if proposal.update_norm != 0.0:
-                    raise LoGRAError(
-                        "KL control needs a probe batch: call set_probe(input_ids, attention_mask, response_mask) "
-                        "after the backward pass and before step(), or build the optimizer with controller=None")
-            else:
-                kl = predicted_kl(self.model, proposal, *probe, temperature=self.temperature,
-                                  max_tokens=self.probe_max_tokens, chunk=self.probe_chunk)
-                alpha = self.controller.scale(kl, self.num_updates)
-                stats.update({k: v for k, v in self.controller.last.items() if k in STAT_KEYS})
-        before = None
-        if self.measure_realized_kl and probe is not None:
-            before = probe_logits(self.model, *probe, max_tokens=self.probe_max_tokens)
-        self.last_delta = self.apply(proposal, alpha)
-        if before is not None:
-            after = probe_logits(self.model, *probe, max_tokens=self.probe_max_tokens)
-            stats["realized_kl"] = realized_kl(before, after, self.temperature)
-        stats["alpha"] = alpha
+        if self.controller is not None and probe is None and proposal.update_norm != 0.0:
+            raise LoGRAError(
+                "KL control needs a probe batch: call set_probe(input_ids, attention_mask, response_mask) "
+                "after the backward pass and before step(), or build the optimizer with controller=None")
+        self.last_delta, control = controlled_update(
+            self.model, proposal, lambda alpha: self.apply(proposal, alpha), self.controller, self.num_updates,
+            probe, temperature=self.temperature, max_tokens=self.probe_max_tokens, chunk=self.probe_chunk,
+            measure_realized=self.measure_realized_kl)
+        stats = {"sketch_norm": proposal.sketch_norm, "update_norm": proposal.update_norm}
+        stats.update({k: v for k, v in control.items() if k in STAT_KEYS})
         self.last_stats = stats
         for fn in self._step_callbacks:
             fn(stats)

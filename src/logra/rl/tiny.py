@@ -46,7 +46,7 @@ EOS_TOKEN: str = "<eos>"
 
 # Bumped whenever the training procedure changes in a way the config hash cannot
 # see, so stale caches are not silently reused.
-_CACHE_FORMAT_VERSION = 1
+_CACHE_FORMAT_VERSION = 2
 _INFO_FILE = "logra_tiny_info.json"
 
 
@@ -264,8 +264,6 @@ def warm_start(
     if not demonstrations:
         raise ValueError("warm_start needs at least one demonstration")
     seqs, starts = _encode_demonstrations(tokenizer, demonstrations, model.config.max_position_embeddings)
-    rng = random.Random(config.seed)
-    order: list[int] = []
 
     params = [p for p in model.parameters() if p.requires_grad]
     # No weight decay on norms/biases: decaying RMSNorm gains toward 0 only hurts.
@@ -286,6 +284,35 @@ def warm_start(
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    # One thread: a multi-threaded matmul sums in an order that depends on the thread count,
+    # and 300 steps amplify the last-bit differences into a different policy. Pinned, the warm
+    # start is a function of the config alone (the cache key), on any machine of one CPU kind.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        losses, seconds = _sft_loop(model, tokenizer, seqs, starts, opt, sched, params, config, progress)
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    tail = losses[-max(1, len(losses) // 20) :]
+    return {
+        "final_loss": sum(tail) / len(tail),
+        "first_loss": losses[0],
+        "seconds": seconds,
+        "steps": float(steps),
+        "num_demonstrations": float(len(demonstrations)),
+    }
+
+
+def _sft_loop(
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, seqs: list[list[int]], starts: list[int],
+    opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler, params: list[torch.nn.Parameter],
+    config: TinyPolicyConfig, progress: bool,
+) -> tuple[list[float], float]:
+    """The SFT steps of `warm_start`: ``(losses, seconds)``."""
+    rng = random.Random(config.seed)
+    order: list[int] = []
+    steps = config.sft_steps
     model.train()
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -310,15 +337,7 @@ def warm_start(
         if progress and len(losses) % 20 == 0:
             bar.set_postfix(loss=f"{sum(losses[-20:]) / 20:.3f}")
     bar.close()
-    model.eval()
-    tail = losses[-max(1, len(losses) // 20) :]
-    return {
-        "final_loss": sum(tail) / len(tail),
-        "first_loss": losses[0],
-        "seconds": time.perf_counter() - t0,
-        "steps": float(steps),
-        "num_demonstrations": float(len(demonstrations)),
-    }
+    return losses, time.perf_counter() - t0
 
 
 def load_or_warm_start(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ._optional import require
+from .._optional import require
 
 require("matplotlib").use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -40,9 +40,9 @@ def plot_run(records: list[dict[str, Any]], run_dir: Path) -> list[Path]:
     if train:
         fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
         u = [r["update"] for r in train]
-        ax[0].semilogy(u, [r["predicted_kl"] for r in train], label="predicted KL (after α)")
+        ax[0].semilogy(u, [r.get("expected_kl", float("nan")) for r in train], label="predicted KL (after α)")
         ax[0].semilogy(u, [max(r["realized_kl"], 1e-12) for r in train], label="realised KL")
-        ax[0].semilogy(u, [r["budget"] for r in train], "--", label="budget")
+        ax[0].semilogy(u, [r.get("effective_budget", float("nan")) for r in train], "--", label="budget")
         ax[0].set_xlabel("update"), ax[0].legend()
         ax[1].plot(u, [r["alpha"] for r in train], label="α")
         ax[1].set_xlabel("update"), ax[1].set_ylabel("step scale α")

@@ -1,0 +1,75 @@
+"""What a run trains: the policy (a local/hub model or the embedded tiny one) and its optimizer."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._optional import require
+from ..optimizer import LoGRAOptimizer
+from ..tasks import Task
+from .config import TASK_OPTIONS, RLConfig
+from .tiny import load_or_warm_start
+
+
+def load_policy(config: RLConfig, task: Task, progress: bool = True) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """``(model, tokenizer, info)``: ``config.model`` in fp32, or the embedded policy warm-started on ``task``.
+
+    ``info`` says where the policy came from (for the embedded one: its cache entry).
+
+    Raises:
+        ValueError: ``config.model`` is not a loadable causal language model.
+    """
+    if not config.model:
+        tiny = config.tiny
+
+        def demonstrations() -> list[tuple[str, str]]:
+            problems = task.problems("train", tiny.num_demonstrations, seed=tiny.seed + 1)
+            return [(p.prompt, task.reference_response(p)) for p in problems]
+
+        # the demonstrations are a function of the task options: they key the cache too
+        data_key = json.dumps({k: getattr(config, k) for k in TASK_OPTIONS}, sort_keys=True)
+        return load_or_warm_start(tiny, Path(config.cache_dir).expanduser(), demonstrations, data_key,
+                                  progress=progress)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(f"--model {config.model!r} is not a loadable causal language model: {e}") from e
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, {"source": config.model}
+
+
+def build_optimizer(
+    config: RLConfig, model: nn.Module
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler | None]:
+    """``(model, optimizer, scheduler)`` for ``config.optimizer``.
+
+    LoGRA installs its sketches on ``model`` (no scheduler: the KL controller sizes each
+    step); dense AdamW and LoRA (``model`` wrapped by peft) get a cosine learning-rate
+    schedule over the run.
+    """
+    if config.optimizer == "logra":
+        return model, LoGRAOptimizer(model, config.logra), None
+    if config.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    else:
+        peft = require("peft")
+        rank = config.lora_rank or config.logra.rank
+        lora = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=list(config.logra.target_modules),
+                               lora_dropout=0.0)
+        model = peft.get_peft_model(model, lora)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
+                                      betas=(0.9, 0.95), weight_decay=0.0)
+    total = max(config.updates, 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step / total, 1.0))))
+    return model, optimizer, scheduler

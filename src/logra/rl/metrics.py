@@ -1,0 +1,53 @@
+"""The run's metrics: ``metrics.jsonl`` (and optionally TensorBoard), and per-update memory figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..memory import GIB, peak_rss_bytes
+
+
+class MetricsLog:
+    """Append-only ``run_dir/metrics.jsonl``: one JSON object per update or evaluation."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` (and its numbers to TensorBoard, under ``train/`` or ``eval/``)."""
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            step = record.get("update", 0)
+            prefix = "eval/" if record.get("kind") == "eval" else "train/"
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "update":
+                    self.writer.add_scalar(prefix + k, v, step)
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every record written so far."""
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate(self, update: int) -> None:
+        """Drop records written after ``update``'s checkpoint (its evaluation stays), for exact resume."""
+        kept = [r for r in self.read()
+                if r["update"] < update or (r["kind"] == "eval" and r["update"] == update)]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Peak memory of this update: CUDA max allocated on a GPU, process peak RSS on the CPU."""
+    if device.type == "cuda":
+        return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / GIB}
+    return {"peak_rss_gib": peak_rss_bytes() / GIB}

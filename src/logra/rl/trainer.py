@@ -1,0 +1,374 @@
+"""`RLTrainer`: the RL loop, rollout → reward → loss → sketch → proposal → KL scale → apply → delta.
+
+One update (`RLTrainer.train_step`):
+
+1. rollout: sample ``responses_per_prompt`` responses to each prompt (`rollout.py`, or
+   rollout workers kept in sync by low-rank deltas, `workers.py`);
+2. reward: grade them with the task (`logra.tasks`);
+3. loss: GRPO or REINFORCE per token (`loss.py`), backward micro-batch by micro-batch —
+   LoGRA's backward fills gradient sketches instead of dense gradients;
+4. proposal: the optimizer's step, not yet applied (`LoGRAOptimizer.propose`, or the
+   displacement of a dense optimizer's step, `DenseProposal`);
+5. KL scale and apply: `logra.kl.controlled_update` predicts the step's KL, scales it to
+   the budget and applies it; LoGRA returns the `PolicyDelta` rollout engines receive.
+
+Building the policy and optimizer (`build.py`), evaluation and the summary
+(`evaluation.py`), checkpoints (`checkpoint.py`), data-parallel reductions
+(`collective.py`) and metrics (`metrics.py`) live beside this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import random
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..delta import weights_checksum
+from ..distributed import global_token_count, init_from_env, verify_projections
+from ..kl import DenseProposal, controlled_update
+from ..optimizer import LoGRAOptimizer
+from ..tasks import Problem, Task, is_correct
+from .build import build_optimizer, load_policy
+from .checkpoint import load_checkpoint, save_checkpoint
+from .collective import allreduce_gradients, sum_over_ranks
+from .config import RLConfig, build_task
+from .evaluation import distinct_problems, evaluate, format_summary, summarize
+from .loss import advantages, policy_loss
+from .metrics import MetricsLog, memory_stats
+from .rollout import Rollout, generate_rollouts, layout_rollouts, token_logprobs
+
+
+class RLTrainer:
+    """Runs `RLConfig`: build policy, task and optimizer, then train, evaluate, checkpoint.
+
+    ``model``/``tokenizer``/``task`` may be passed in to override what the config
+    would build (tests and notebooks do this).
+    """
+
+    def __init__(
+        self,
+        config: RLConfig,
+        model: nn.Module | None = None,
+        tokenizer: Any = None,
+        task: Task | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.config = config
+        self.dist = init_from_env()
+        self.rank, self.world = self.dist.rank, self.dist.world_size
+        if config.prompts_per_update % self.world:
+            raise ValueError(f"prompts_per_update ({config.prompts_per_update}) must be a multiple of the "
+                             f"world size ({self.world})")
+        self.progress = progress and self.rank == 0
+        if config.threads:
+            torch.set_num_threads(max(1, config.threads // self.world))
+        self.device = self.dist.device if self.dist.backend == "nccl" else _resolve_device(config.device)
+        self.task = task or build_task(config)
+        self.run_dir = Path(config.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if model is None:
+            model, tokenizer, self.policy_info = load_policy(config, self.task, progress=self.progress)
+        else:
+            self.policy_info = {"source": "given"}
+        self.tokenizer = tokenizer
+        self.model, self.optimizer, self.scheduler = build_optimizer(config, model.to(self.device))
+        self.reference = (copy.deepcopy(self.model).eval().requires_grad_(False)
+                          if config.ref_kl_coef > 0 else None)
+        if self.world > 1 and isinstance(self.optimizer, LoGRAOptimizer):
+            verify_projections(self.optimizer)
+        torch.manual_seed(config.seed * 1_000 + self.rank)  # each rank samples its own responses
+        self.workers = None
+        if config.rollout_workers:
+            from .workers import RolloutWorkers
+
+            self.workers = RolloutWorkers(self.model, self.optimizer, config.logra, config.rollout_workers,
+                                          self.run_dir)
+        self.controller = config.kl.controller(config.updates)
+        self.update = 0
+        self.baseline = 0.0
+        self.log = MetricsLog(self.run_dir, config.tensorboard)
+        self._pool: list[Problem] | None = None
+        self._eval_pool: list[Problem] | None = None
+        self._eval_size = 0
+        self._gradient_hooks: list[Callable[[RLTrainer], None]] = []
+        self._autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                          else contextlib.nullcontext())
+
+    # ------------------------------------------------------------- the run
+    def train(self) -> dict[str, Any]:
+        """Run the remaining updates with evaluations, checkpoints, plots and a summary."""
+        cfg = self.config
+        if self.rank == 0:
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        if self.update == 0:
+            self._evaluate_and_log()
+        bar = tqdm(total=cfg.updates, initial=self.update, desc="logra train", disable=not self.progress,
+                   dynamic_ncols=True)
+        with _StopAtBoundary() as stop:
+            while self.update < cfg.updates and not self._agree_to_stop(stop):
+                record = self.train_step()
+                if self.rank == 0:
+                    self.log.write(record)
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record['realized_kl']:.1e}",
+                                alpha=f"{record['alpha']:.2f}", s=f"{record['time_update']:.1f}")
+                if cfg.eval_every and self.update % cfg.eval_every == 0 and self.update < cfg.updates:
+                    self._evaluate_and_log(bar)
+                if cfg.checkpoint_every and self.update % cfg.checkpoint_every == 0:
+                    self.save_checkpoint()
+        bar.close()
+        if stop.requested:
+            path = self.save_checkpoint()
+            if self.rank == 0:
+                print(f"interrupted: checkpoint at update {self.update} written to {path}; continue with "
+                      f"`logra train --resume {self.run_dir}`")
+            return {"interrupted": True, "update": self.update}
+        self._evaluate_and_log()
+        self.save_checkpoint()
+        if self.workers is not None:
+            self.log.write({"kind": "sync", "update": self.update, "trainer": weights_checksum(self.model),
+                            "workers": self.workers.publisher.checksums()})
+        self.close()
+        return self._finish() if self.rank == 0 else {"rank": self.rank, "updates": self.update}
+
+    def train_step(self) -> dict[str, Any]:
+        """One update: rollout → reward → loss → sketch → proposal → KL scale → apply."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+        # rollout and reward
+        problems, rollout = self._rollout(self._train_problems(self.update))
+        rewards = torch.tensor([self.task.score(p, t) for p, t in zip(problems, rollout.responses, strict=True)])
+        t_rollout = time.perf_counter()
+        reward_sum, correct, n_all = self._sum(
+            [float(rewards.sum()), sum(is_correct(r) for r in rewards.tolist()), len(rollout)])
+        adv = advantages(rewards, cfg.responses_per_prompt, cfg.algorithm, self.baseline).to(self.device)
+        self.baseline = cfg.baseline_decay * self.baseline + (1 - cfg.baseline_decay) * reward_sum / n_all
+
+        # loss → gradients (LoGRA: sketches), a token mean over the whole update
+        n_tokens = int(rollout.response_mask.sum())
+        if self.world > 1:
+            n_tokens = global_token_count(n_tokens)
+        self.model.train()
+        loss_sum, clip_sum, mismatch_sum = 0.0, 0.0, 0.0
+        for start in range(0, len(rollout), cfg.micro_batch):
+            mb = rollout.select(list(range(start, min(start + cfg.micro_batch, len(rollout)))))
+            with self._autocast:
+                logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, cfg.temperature)
+                ref = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref = token_logprobs(self.reference, mb.input_ids, mb.attention_mask, cfg.temperature)
+            loss, stats = policy_loss(logp, mb.logprobs, adv[start: start + len(mb)], mb.response_mask, cfg, ref)
+            (loss / n_tokens).backward()
+            loss_sum += float(loss.detach())
+            clip_sum += stats["clip_frac_sum"]
+            with torch.no_grad():  # k3 estimate of KL(rollout ‖ trainer) on the sampled tokens
+                log_r = (logp.detach() - mb.logprobs) * mb.response_mask
+                mismatch_sum += float(((torch.exp(log_r) - log_r - 1) * mb.response_mask).sum())
+        if self.world > 1:
+            allreduce_gradients(self.optimizer)
+        loss_sum, clip_sum, mismatch_sum, truncated = self._sum(
+            [loss_sum, clip_sum, mismatch_sum, float(rollout.truncated.float().sum())])
+        mismatch = mismatch_sum / n_tokens
+        self.controller.observe_mismatch(mismatch)
+        for hook in self._gradient_hooks:
+            hook(self)
+        t_backward = time.perf_counter()
+
+        # proposal → KL scale → apply → delta
+        record = self._controlled_update(rollout)
+        t_apply = time.perf_counter()
+        record.update({
+            "kind": "train", "update": self.update, "reward": reward_sum / n_all, "pass_rate": correct / n_all,
+            "loss": loss_sum / n_tokens, "response_len": n_tokens / n_all,
+            "truncation_rate": truncated / n_all, "clip_frac": clip_sum / n_tokens,
+            "mismatch_kl": mismatch, "time_rollout": t_rollout - t0, "time_train": t_backward - t_rollout,
+            "time_step": t_apply - t_backward, "time_update": t_apply - t0,
+            "reward_failures": getattr(self.task, "failures", 0),
+        })
+        record.update(memory_stats(self.device))
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.update += 1
+        return record
+
+    def _controlled_update(self, rollout: Rollout) -> dict[str, Any]:
+        """Propose, size by predicted KL, apply, publish; the update's statistics."""
+        cfg = self.config
+        if isinstance(self.optimizer, LoGRAOptimizer):
+            proposal = self.optimizer.propose()
+            record = {"sketch_norm": proposal.sketch_norm, "update_norm": proposal.update_norm}
+
+            def apply(alpha: float) -> dict[str, Any]:
+                delta = self.optimizer.apply(proposal, alpha)
+                sent = self.workers.publish(delta) if self.workers is not None else {}
+                return {"delta_bytes": delta.nbytes, **sent}
+        else:
+            proposal = DenseProposal.from_optimizer(self.model, self.optimizer)
+            record = {"update_norm": proposal.norm()}
+
+            def apply(alpha: float) -> dict[str, Any]:
+                proposal.apply(alpha)
+                return {"delta_bytes": sum(p.numel() * 2 for p in self.model.parameters() if p.requires_grad)}
+
+        probe = rollout.select(slice(0, min(cfg.kl.probe_responses, len(rollout))))
+        sent, stats = controlled_update(
+            self.model, proposal, apply, self.controller if cfg.kl.enabled else None, self.update,
+            (probe.input_ids, probe.attention_mask, probe.response_mask), temperature=cfg.temperature,
+            max_tokens=cfg.kl.probe_max_tokens, reduce=self._sum)
+        self.optimizer.zero_grad(set_to_none=True)
+        if not cfg.kl.enabled:
+            stats["effective_budget"] = self.controller.effective_budget(self.update)
+        return {**record, **sent, **stats}
+
+    def add_gradient_hook(self, fn: Callable[[RLTrainer], None]) -> None:
+        """Call ``fn(trainer)`` after each update's backward passes, before its proposal.
+
+        The gradients of the update are complete there (sketches for LoGRA, summed over
+        ranks); diagnostics read them without changing the loop.
+        """
+        self._gradient_hooks.append(fn)
+
+    # ------------------------------------------------------------- rollouts and problems
+    def _train_problems(self, update: int) -> list[Problem]:
+        """The prompts of ``update``: a fixed function of (seed, update), so resume is exact."""
+        if self._pool is None:
+            self._pool = self.task.problems("train", max(2000, 4 * self.config.prompts_per_update),
+                                            seed=self.config.seed)
+        rng = random.Random(self.config.seed * 1_000_003 + update)
+        chosen = rng.sample(self._pool, self.config.prompts_per_update)
+        return chosen[self.rank:: self.world]  # whole groups per rank
+
+    def _rollout(self, problems: list[Problem]) -> tuple[list[Problem], Rollout]:
+        cfg = self.config
+        expanded = [p for p in problems for _ in range(cfg.responses_per_prompt)]
+        if self.workers is None:
+            return expanded, generate_rollouts(
+                self.model, self.tokenizer, [p.prompt for p in expanded], temperature=cfg.temperature,
+                top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, batch_size=max(cfg.micro_batch, 64))
+        ids = self.tokenizer([p.prompt for p in expanded])["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        samples = self.workers.publisher.generate(ids, cfg.max_new_tokens, cfg.temperature,
+                                                  seed=cfg.seed * 1_000_003 + self.update * len(ids),
+                                                  eos_token_id=eos)
+        rows = [(s.prompt_ids, s.response_ids, s.logprobs, eos not in s.response_ids) for s in samples]
+        return expanded, layout_rollouts(rows, self.tokenizer, self.device)
+
+    # ------------------------------------------------------------- evaluation and summary
+    def evaluate(self, problems: int | None = None, samples: int | None = None) -> dict[str, Any]:
+        """Pass@1 / Pass@4 and mean reward on held-out problems (see `evaluation.evaluate`)."""
+        n = problems or self.config.eval_problems
+        if self._eval_pool is None or self._eval_size != n:
+            self._eval_pool, self._eval_size = distinct_problems(self.task, n, self.config.seed), n
+        return evaluate(self.model, self.tokenizer, self.task, self._eval_pool, samples or self.config.eval_samples,
+                        self.config, self.update)
+
+    def _evaluate_and_log(self, bar: tqdm | None = None) -> dict[str, Any] | None:
+        if self.rank != 0:  # the policy is identical on every rank; rank 0 evaluates it
+            torch.distributed.barrier()
+            return None
+        result = self.evaluate()
+        if self.world > 1:
+            torch.distributed.barrier()
+        self.log.write(result)
+        message = (f"eval @ update {result['update']}: pass@1 {result['pass@1']:.3f} ± {result['pass@1_stderr']:.3f}"
+                   f"  pass@4 {result['pass@4']:.3f}  reward {result['reward']:.3f}")
+        if self.progress:
+            (bar.write if bar is not None else print)(message)
+        return result
+
+    def _finish(self) -> dict[str, Any]:
+        from .plots import plot_run
+
+        records = self.log.read()
+        summary = summarize(records, self.policy_info)
+        summary["plots"] = [str(p) for p in plot_run(records, self.run_dir)]
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if self.progress:
+            print(format_summary(summary, self.config))
+        return summary
+
+    # ------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> Path:
+        """Weights (safetensors) + optimizer, controller, scheduler and RNG state (see `checkpoint.py`)."""
+        state = {
+            "update": self.update, "baseline": self.baseline, "optimizer": self.optimizer.state_dict(),
+            "controller": self.controller.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
+        return save_checkpoint(self.run_dir, self.model, state, self.config.to_dict(), self.rank, self.world)
+
+    def load_checkpoint(self) -> None:
+        """Continue from ``run_dir/checkpoint`` exactly where it stopped."""
+        state = load_checkpoint(self.run_dir, self.model, self.rank, self.world)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.controller.load_state_dict(state["controller"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.update, self.baseline = state["update"], state["baseline"]
+        if self.rank == 0:  # metrics written after the checkpoint are dropped: the log matches the run
+            self.log.truncate(self.update)
+
+    def close(self) -> None:
+        """Stop the rollout workers (if any)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+
+    # ------------------------------------------------------------- data parallelism
+    def _sum(self, values: list[float]) -> list[float]:
+        return sum_over_ranks(values, self.world, self.device)
+
+    def _agree_to_stop(self, stop: _StopAtBoundary) -> bool:
+        """Ranks agree on stopping (Ctrl-C reaches them at slightly different times)."""
+        if self.world > 1:
+            stop.requested = self._sum([float(stop.requested)])[0] > 0
+        return stop.requested
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class _StopAtBoundary:
+    """Ctrl-C finishes the current update, then the loop checkpoints and stops cleanly.
+
+    A second Ctrl-C interrupts at once. Only the main thread can install the handler;
+    elsewhere Ctrl-C keeps its default behaviour.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nCtrl-C: finishing this update, then writing a checkpoint (Ctrl-C again to abort)", flush=True)
+
+    def __enter__(self) -> _StopAtBoundary:
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
