@@ -343,6 +343,11 @@ class KLControlConfig:
     probe_responses: int = 2
     probe_max_tokens: int = 4096
 
+    def __post_init__(self) -> None:
+        self.controller()  # the controller validates its settings
+        if self.probe_responses < 1 or self.probe_max_tokens < 1:
+            raise ValueError("KLControlConfig.probe_responses and probe_max_tokens must be >= 1")
+
     def controller(self, total_updates: int = 300) -> KLController:
         """A `KLController` with these settings (``schedule_steps=0`` → ``total_updates``)."""
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _CONTROLLER_ARGS}

@@ -170,7 +170,7 @@ def build_task(config: RLConfig) -> Task:
     try:
         return make_task(config.task, **kw)
     except TypeError as e:
-        given = sorted(k for k in kw if k != "eval_fraction")
+        given = sorted("task_config" if k == "config" else k for k in kw if k != "eval_fraction")
         raise ValueError(f"task {config.task!r} does not take some of the options given {given}: {e}") from None
 
 

@@ -202,7 +202,7 @@ def test_yaml_example_config_runs(tmp_path):
     """examples/train_tiny.yaml is a valid config and runs (shortened by flags)."""
     from pathlib import Path
 
-    example = Path(__file__).parent.parent / "examples" / "train_tiny.yaml"
+    example = Path(__file__).parents[2] / "examples" / "train_tiny.yaml"
     argv = ["--config", str(example), "--updates", "1", "--tiny.sft_steps", "3", "--tiny.num_demonstrations", "64",
             "--eval_problems", "4", "--prompts_per_update", "2", "--responses_per_prompt", "2",
             "--kl.probe_responses", "2", "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache"),

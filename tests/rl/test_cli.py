@@ -1,0 +1,131 @@
+"""`logra train` as a new user runs it: recipes, each task kind, one-line errors, the help text."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from logra import cli
+from logra.errors import MissingExtraError
+from logra.rl import RLConfig, build_task, recipe_config
+from logra.rl.tiny import byte_tokenizer
+from logra.train import _parser, build_config
+from logra.train import main as train_main
+
+# one short update and a small evaluation: what matters is that each task kind runs
+SHORT = ["--updates", "1", "--prompts_per_update", "2", "--responses_per_prompt", "2", "--eval_problems", "2",
+         "--eval_every", "0", "--checkpoint_every", "0", "--kl.probe_responses", "2", "--logra.rank", "4",
+         "--quiet"]
+# the tiny policy's warm start, shortened; long enough positions for the longest rg-hard prompts
+TINY = ["--tiny.sft_steps", "2", "--tiny.sft_batch_size", "2", "--tiny.num_demonstrations", "8",
+        "--tiny.max_position_embeddings", "8192", "--max_new_tokens", "4"]
+
+
+@pytest.fixture(scope="module")
+def math_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("math") / "problems.jsonl"
+    rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def local_model(tmp_path_factory):
+    """A saved random Qwen2 with a byte-level tokenizer, as a user's `--model` path."""
+    path = tmp_path_factory.mktemp("model")
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _run(tmp_path, *argv: str) -> dict:
+    run = tmp_path / "run"
+    assert train_main([*argv, *SHORT, "--run_dir", str(run), "--cache_dir", str(tmp_path / "cache")]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["updates"] == 1
+    return json.loads((run / "config.json").read_text())
+
+
+def _kinds(math_file) -> dict[str, str]:
+    return {"reasoning-gym": "basic_arithmetic", "mixture": "chain_sum:0.5,basic_arithmetic:0.5",
+            "rg-hard": "rg-hard", "math": f"math:{math_file}"}
+
+
+@pytest.mark.parametrize("kind", ["reasoning-gym", "mixture", "math",
+                                  pytest.param("rg-hard", marks=pytest.mark.slow)])  # 6.7k-byte prompts: ~70 s
+def test_each_task_kind_runs_on_the_tiny_policy(tmp_path, math_file, kind):
+    """The embedded recipe's chain_sum options never leak into another task."""
+    config = _run(tmp_path, "--task", _kinds(math_file)[kind], *TINY)
+    assert config["model"] == "" and config["logra"]["rank"] == 4
+    assert config["task_config"] is None and config["strip_prefix"] is None and config["partial_credit"] is None
+    assert config["extract"] == "full" and config["instruction"] == ""  # the tiny policy answers bare
+
+
+@pytest.mark.parametrize("kind", ["reasoning-gym", "mixture", "math", "rg-hard"])
+def test_each_task_kind_runs_on_a_saved_local_model(tmp_path, math_file, local_model, kind):
+    """A `--model` run takes the plain defaults and each task's own answer format."""
+    config = _run(tmp_path, "--model", str(local_model), "--task", _kinds(math_file)[kind], "--max_new_tokens", "4")
+    assert config["extract"] is None and config["instruction"] is None and config["task_config"] is None
+    assert config["logra"]["non_target"] == "freeze" and config["kl"]["budget"] == 2e-4  # the paper's
+    task = build_task(RLConfig(**{k: config[k] for k in ("task", "eval_fraction")}))
+    expected = "boxed" if kind == "math" else "answer"
+    leaves = getattr(task, "tasks", [task])
+    assert {leaf.extract for leaf in leaves} == ({"answer"} if kind == "mixture" else {expected})
+
+
+def test_embedded_recipe_is_the_default_and_its_task_options_stay_with_chain_sum():
+    embedded = build_config({}, "embedded")
+    assert embedded == recipe_config("embedded")
+    assert embedded.task == "chain_sum" and embedded.max_new_tokens == 6 and embedded.logra.rank == 48
+    assert embedded.task_config == {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+    other = build_config({"task": "basic_arithmetic"}, "embedded")
+    assert other.logra.rank == 48 and other.task_config is None and other.strip_prefix is None
+    assert other.max_new_tokens == 16
+    plain = build_config({"model": "/some/path"})
+    assert plain.logra.rank == 256 and plain.max_new_tokens == 512 and plain.extract is None
+
+
+def test_help_shows_the_embedded_defaults(capsys):
+    text = " ".join(_parser().format_help().split())
+    assert "--logra.rank INT" in text
+    assert "(default: 48; without a recipe: 256)" in text
+    assert "(default: 'chain_sum')" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--logra.rank", "0"], "rank must be a positive int"),
+    (["--updates", "-3"], "updates must be >= 1"),
+    (["--kl.budget", "-1"], "budgets"),
+    (["--eval_fraction", "2"], "eval_fraction"),
+    (["--logra.optimizer", "lion"], "optimizer"),
+    (["--updates", "many"], "expects a int"),
+])
+def test_invalid_values_are_one_line_errors(argv, message):
+    with pytest.raises(SystemExit) as e:
+        train_main(argv)
+    text = str(e.value)
+    assert text.startswith("logra train: ") and message in text and "\n" not in text
+
+
+def test_an_option_the_task_kind_does_not_take_is_a_clear_error(tmp_path, math_file):
+    with pytest.raises(SystemExit, match=r"logra train: task 'math:.*' does not take .*task_config"):
+        train_main(["--task", f"math:{math_file}", "--task_config", "{min_terms: 2}", "--run_dir", str(tmp_path)])
+
+
+def test_a_missing_extra_is_named(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as if not installed
+    assert cli.main(["train"]) == 2
+    assert "pip install 'logra[rl]'" in capsys.readouterr().err
+    from logra._optional import require
+
+    with pytest.raises(MissingExtraError, match=r"logra\[rl\]"):
+        require("reasoning_gym")
