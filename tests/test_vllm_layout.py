@@ -119,6 +119,8 @@ def test_layout_refuses_what_vllm_cannot_shard():
     lay = FusedLayout.from_hf_config(cfg)
     with pytest.raises(LayoutError, match="no place"):
         lay.slot("model.layers.0.self_attn.rotary.weight")
+    with pytest.raises(LayoutError, match="no place"):
+        lay.fused_name("model.layers.0.self_attn.gate_proj.weight")
     with pytest.raises(LayoutError, match="out of range"):
         lay.slot("model.layers.5.mlp.up_proj.weight")
     with pytest.raises(LayoutError, match="needs all of its members"):

@@ -120,7 +120,14 @@ class Slot:
         return t[self.rows] if t.dim() == 1 else t[self.rows, self.cols]
 
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.(weight|bias)$")
+_LAYER = re.compile(
+    r"^model\.layers\.(\d+)\.(?:(self_attn)\.(q|k|v|o)|(mlp)\.(gate|up|down))_proj\.(weight|bias)$")
+
+
+def _parts(m: re.Match) -> tuple[str, str, str, str]:
+    """(layer, block, projection, 'weight'|'bias') of a `_LAYER` match."""
+    layer, attn, attn_proj, mlp, mlp_proj, kind = m.groups()
+    return layer, attn or mlp, attn_proj or mlp_proj, kind
 _VOCAB = {"model.embed_tokens.weight", "lm_head.weight"}
 
 
@@ -224,8 +231,8 @@ class FusedLayout:
         if not m:
             raise LayoutError(f"{hf_name!r} is not a projection or embedding of a Llama-family model")
         out, inp = {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q),
-                    "gate": (ff, h), "up": (ff, h), "down": (h, ff)}[m.group(3)]
-        return (out, inp) if m.group(4) == "weight" else (out,)
+                    "gate": (ff, h), "up": (ff, h), "down": (h, ff)}[_parts(m)[2]]
+        return (out, inp) if _parts(m)[3] == "weight" else (out,)
 
     # ---------------------------------------------------------------- mapping
     def slot(self, hf_name: str, hf_shape: tuple[int, ...] | None = None) -> Slot | None:
@@ -270,7 +277,7 @@ class FusedLayout:
             start = t * per
             valid = max(0, min(per, self.vocab_size - start))
             return make(name, "vocab", (per, in_features), _span(min(start, self.vocab_size), valid), _span(0, valid))
-        layer, block, proj, kind = m.groups()
+        layer, block, proj, kind = _parts(m)
         prefix = f"model.layers.{layer}.{block}."
         q_loc, kv_loc, ff_loc = self._local()
         tail = (in_features,) if kind == "weight" else ()
@@ -302,9 +309,10 @@ class FusedLayout:
         if m is not None:
             if int(m.group(1)) >= self.num_layers:
                 raise LayoutError(f"{name!r}: layer index out of range (model has {self.num_layers} layers)")
+            layer, block, proj, kind = _parts(m)
             fused = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj",
-                     "up": "gate_up_proj"}.get(m.group(3), f"{m.group(3)}_proj")
-            return f"model.layers.{m.group(1)}.{m.group(2)}.{fused}.{m.group(4)}"
+                     "up": "gate_up_proj"}.get(proj, f"{proj}_proj")
+            return f"model.layers.{layer}.{block}.{fused}.{kind}"
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None
         if name in _VOCAB or re.search(r"norm\.(weight|bias)$", name):
