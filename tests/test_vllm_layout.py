@@ -256,17 +256,21 @@ def test_mismatched_delta_changes_nothing():
     bad.factors = {**delta.factors, "model.layers.0.mlp.up_proj.weight": torch.zeros(3, 4, dtype=torch.bfloat16)}
     with pytest.raises(DeltaMismatchError, match="factor for model.layers.0.mlp.up_proj.weight"):
         apply_delta_fused(fused, bad, trainer.config, lay)
+    with pytest.raises(ValueError, match="strategy"):
+        apply_delta_fused(fused, delta, trainer.config, lay, strategy="fast")
     assert fused_checksum(fused) == before
 
 
 # ---------------------------------------------------------------- non_target='sketch'
-@pytest.mark.parametrize("tie,tp", [(False, 2), (True, 4)])
-def test_sketch_mode_embeddings_and_dense(tie, tp):
-    """Embeddings/lm_head are sketched (vocab-parallel rows, padding untouched); norms and biases are dense."""
+@pytest.mark.parametrize("mode,tie,tp", [("sketch", False, 2), ("sketch", True, 4), ("adamw", False, 2)])
+def test_non_target_embeddings_and_dense(mode, tie, tp):
+    """'sketch': embeddings/lm_head are sketched (vocab-parallel rows, padding untouched), norms and biases
+    dense; 'adamw': embeddings, lm_head, norms and biases all arrive as dense tensors."""
     model = tiny_qwen2(tie=tie)
-    trainer = Trainer(model, non_target="sketch")
-    assert "model.embed_tokens.weight" in trainer.opt.targets
-    assert ("lm_head.weight" in trainer.opt.targets) is (not tie)
+    trainer = Trainer(model, non_target=mode)
+    dense_embeddings = "model.embed_tokens.weight" in trainer.dense_names
+    assert ("model.embed_tokens.weight" in trainer.opt.targets) is (mode == "sketch") is (not dense_embeddings)
+    assert ("lm_head.weight" in trainer.opt.targets) is (mode == "sketch" and not tie)
     assert any("q_proj.bias" in n for n in trainer.dense_names)
     reference = rollout_copy(model, torch.float32)
     lays = layouts(model, tp)

@@ -18,7 +18,8 @@ vLLM stores a Llama / Qwen2 / Mistral decoder differently from transformers:
 HF tensor and where it lies in one rank's fused tensor). `apply_delta_fused` merges a
 `PolicyDelta` into those fused tensors with one matmul per target, through the same
 `merge_update` as `apply_delta`, so the fused slice holds the bits that the HF weight
-would hold. `FusedReceiver` adds the checks of `logra.sync`: the step must be the next
+would hold (for shards with tp > 1 the default ``strategy='full'`` runs that matmul at
+the HF weight's shape, because a BLAS may round a smaller GEMM differently). `FusedReceiver` adds the checks of `logra.sync`: the step must be the next
 one, the fused state's checksum must match the trainer's per-rank expectation
 (`expected_fused_checksum`), and `FusedReceiver.resync` rebuilds the fused tensors from
 a full HF state dict (`fuse_state_dict` / `copy_into_fused`).
