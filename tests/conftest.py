@@ -9,7 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 torch.set_num_threads(2)
 
 
-def tiny_qwen2(seed: int = 0, tie: bool = False, vocab: int = 97, hidden: int = 32, layers: int = 2) -> Qwen2ForCausalLM:
+def tiny_qwen2(
+    seed: int = 0, tie: bool = False, vocab: int = 97, hidden: int = 32, layers: int = 2
+) -> Qwen2ForCausalLM:
     """A 2-layer Qwen2 with biases on q/k/v, fp32, eager-friendly sizes."""
     torch.manual_seed(seed)
     cfg = Qwen2Config(

@@ -7,10 +7,16 @@ import math
 
 import pytest
 import torch
-from conftest import checkpoint, tiny_qwen2, token_batch
 
+from conftest import checkpoint, tiny_qwen2, token_batch
 from logra import (
-    DenseProposal, KLController, KLPredictionError, LoGRAConfig, LoGRAOptimizer, predicted_kl, probe_logits,
+    DenseProposal,
+    KLController,
+    KLPredictionError,
+    LoGRAConfig,
+    LoGRAOptimizer,
+    predicted_kl,
+    probe_logits,
     realized_kl,
 )
 

@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
-from conftest import checkpoint, tiny_llama, tiny_qwen2, token_batch
 from torch import nn
 
+from conftest import checkpoint, tiny_llama, tiny_qwen2, token_batch
 from logra import LoGRAConfig, LoGRAOptimizer
 from logra.memory import track_memory
 

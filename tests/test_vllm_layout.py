@@ -6,14 +6,22 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_llama, tiny_qwen2, token_batch
 from transformers import GPT2Config
 
+from conftest import tiny_llama, tiny_qwen2, token_batch
 from logra import DeltaMismatchError, LoGRAConfig, LoGRAOptimizer, apply_delta
 from logra.projection import stable_name
 from logra.vllm_layout import (
-    ChecksumMismatchError, DeltaGapError, FusedLayout, FusedReceiver, LayoutError, NeedsResyncError,
-    apply_delta_fused, expected_fused_checksum, fuse_state_dict, fused_checksum,
+    ChecksumMismatchError,
+    DeltaGapError,
+    FusedLayout,
+    FusedReceiver,
+    LayoutError,
+    NeedsResyncError,
+    apply_delta_fused,
+    expected_fused_checksum,
+    fuse_state_dict,
+    fused_checksum,
 )
 
 STEPS = 6
@@ -153,7 +161,7 @@ def test_deltas_bitwise_equal_to_apply_delta(make, tp, dtype, strategy):
             expected = expected_fused_checksum(hf_state(reference), rcv.layout, rcv.checked_names(delta))
             rcv.apply(delta, checksum=expected)
     if dtype == torch.float32:  # the fp32 rollout copy is bitwise the trainer
-        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
     for rcv in receivers:
         assert rcv.step == STEPS
         assert_fused_equal(dict(rcv.params), reference, rcv.layout)

@@ -185,7 +185,7 @@ class DenseProposal:
         before = [p.detach().clone() for p in params]
         optimizer.step()
         displacements = {}
-        for p, old in zip(params, before):
+        for p, old in zip(params, before, strict=True):
             delta = p.detach() - old
             p.copy_(old)
             if delta.any():

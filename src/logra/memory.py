@@ -121,7 +121,9 @@ def peak_rss_bytes() -> int:
 
 
 @contextmanager
-def track_memory(*external: nn.Module | torch.optim.Optimizer | torch.Tensor, device: torch.device | str | None = None) -> Iterator[MemoryReport]:
+def track_memory(
+    *external: nn.Module | torch.optim.Optimizer | torch.Tensor, device: torch.device | str | None = None
+) -> Iterator[MemoryReport]:
     """Track every tensor allocated in the block plus the given modules and optimizers.
 
     The block may run any number of steps, generations and probes; the report holds

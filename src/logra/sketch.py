@@ -152,7 +152,9 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return False
 
 
-def find_targets(model: nn.Module, patterns: tuple[str, ...], embeddings: bool = False) -> dict[str, list[tuple[str, nn.Module]]]:
+def find_targets(
+    model: nn.Module, patterns: tuple[str, ...], embeddings: bool = False
+) -> dict[str, list[tuple[str, nn.Module]]]:
     """Map each target weight's stable name to the ``(module name, module)`` pairs using it.
 
     Raises:

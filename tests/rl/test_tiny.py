@@ -113,7 +113,7 @@ def test_build_tiny_policy_shapes_and_determinism():
     assert model.config.vocab_size == len(tok)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     again, _ = build_tiny_policy(cfg)
-    for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+    for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
 
 

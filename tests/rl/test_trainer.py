@@ -10,8 +10,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from logra.config import LoGRAConfig
 from logra.rl import KLControlConfig, RLConfig, RLTrainer, advantages, policy_loss
-from logra.tasks import Problem, Task
 from logra.rl.tiny import byte_tokenizer
+from logra.tasks import Problem, Task
 from logra.train import main as train_main
 
 
@@ -108,7 +108,7 @@ def test_resume_continues_exactly(tmp_path):
                         progress=False)
     resumed.load_checkpoint()
     resumed.train()
-    for (n, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+    for (n, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
     rows = [json.loads(line) for line in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows if r["kind"] == "train"] == [0, 1, 2, 3]

@@ -84,14 +84,14 @@ from typing import Any
 
 import torch
 from torch import nn
+
 from .._optional import require
-
-_trl = require("trl")
-GRPOConfig, GRPOTrainer = _trl.GRPOConfig, _trl.GRPOTrainer
-
 from ..config import LoGRAConfig
 from ..kl import KLController
 from . import STAT_KEYS, KLControlledLoGRA
+
+_trl = require("trl")
+GRPOConfig, GRPOTrainer = _trl.GRPOConfig, _trl.GRPOTrainer
 
 __all__ = ["LoGRAGRPOTrainer"]
 

@@ -21,9 +21,10 @@ import math
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import transformers
@@ -64,7 +65,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 def byte_tokenizer(padding_side: str = "left") -> PreTrainedTokenizerFast:
@@ -210,13 +211,13 @@ def _encode_demonstrations(
     prompts = tokenizer([p for p, _ in demonstrations], add_special_tokens=False)["input_ids"]
     answers = tokenizer([a for _, a in demonstrations], add_special_tokens=False)["input_ids"]
     seqs, starts = [], []
-    for p, a in zip(prompts, answers):
+    for p, a in zip(prompts, answers, strict=True):
         ids = p + a + [tokenizer.eos_token_id]
         if len(ids) <= max_len:
             seqs.append(ids)
             starts.append(len(p))
     if not seqs:
-        longest = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
+        longest = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers, strict=True))
         raise ValueError(f"no demonstration fits the tiny policy's {max_len} positions (longest needs {longest}); "
                          "shorten the prompts (instruction, strip_prefix) or raise tiny.max_position_embeddings")
     return seqs, starts
@@ -230,7 +231,7 @@ def _collate(
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     labels = torch.full((len(seqs), width), -100, dtype=torch.long)
-    for i, (s, st) in enumerate(zip(seqs, starts)):
+    for i, (s, st) in enumerate(zip(seqs, starts, strict=True)):
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
         labels[i, st : len(s)] = ids[i, st : len(s)]
@@ -324,7 +325,8 @@ def _sft_loop(
                 order = list(range(len(seqs)))
                 rng.shuffle(order)
             batch_idx.append(order.pop())
-        ids, mask, labels = _collate([seqs[i] for i in batch_idx], [starts[i] for i in batch_idx], tokenizer.pad_token_id)
+        ids, mask, labels = _collate(
+            [seqs[i] for i in batch_idx], [starts[i] for i in batch_idx], tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         if not torch.isfinite(loss):
             raise FloatingPointError(f"warm start diverged at step {step}: loss {loss.item()}")

@@ -53,6 +53,13 @@ class RLTrainer:
 
     ``model``/``tokenizer``/``task`` may be passed in to override what the config
     would build (tests and notebooks do this).
+
+    Attributes:
+        model, tokenizer, task, optimizer: what the run trains, and with what.
+        controller: the `KLController` sizing every update.
+        num_updates: updates applied so far (also the index of the next one), as
+            `LoGRAOptimizer.num_updates`.
+        log: the run's `MetricsLog` (``metrics.jsonl``).
     """
 
     def __init__(
@@ -94,7 +101,7 @@ class RLTrainer:
             self.workers = RolloutWorkers(self.model, self.optimizer, config.logra, config.rollout_workers,
                                           self.run_dir)
         self.controller = config.kl.controller(config.updates)
-        self.update = 0
+        self.num_updates = 0
         self.baseline = 0.0
         self.log = MetricsLog(self.run_dir, config.tensorboard)
         self._pool: list[Problem] | None = None
@@ -110,36 +117,36 @@ class RLTrainer:
         cfg = self.config
         if self.rank == 0:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-        if self.update == 0:
+        if self.num_updates == 0:
             self._evaluate_and_log()
-        bar = tqdm(total=cfg.updates, initial=self.update, desc="logra train", disable=not self.progress,
+        bar = tqdm(total=cfg.updates, initial=self.num_updates, desc="logra train", disable=not self.progress,
                    dynamic_ncols=True)
         with _StopAtBoundary() as stop:
-            while self.update < cfg.updates and not self._agree_to_stop(stop):
+            while self.num_updates < cfg.updates and not self._agree_to_stop(stop):
                 record = self.train_step()
                 if self.rank == 0:
                     self.log.write(record)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record['realized_kl']:.1e}",
                                 alpha=f"{record['alpha']:.2f}", s=f"{record['time_update']:.1f}")
-                if cfg.eval_every and self.update % cfg.eval_every == 0 and self.update < cfg.updates:
+                if cfg.eval_every and self.num_updates % cfg.eval_every == 0 and self.num_updates < cfg.updates:
                     self._evaluate_and_log(bar)
-                if cfg.checkpoint_every and self.update % cfg.checkpoint_every == 0:
+                if cfg.checkpoint_every and self.num_updates % cfg.checkpoint_every == 0:
                     self.save_checkpoint()
         bar.close()
         if stop.requested:
             path = self.save_checkpoint()
             if self.rank == 0:
-                print(f"interrupted: checkpoint at update {self.update} written to {path}; continue with "
+                print(f"interrupted: checkpoint at update {self.num_updates} written to {path}; continue with "
                       f"`logra train --resume {self.run_dir}`")
-            return {"interrupted": True, "update": self.update}
+            return {"interrupted": True, "update": self.num_updates}
         self._evaluate_and_log()
         self.save_checkpoint()
         if self.workers is not None:
-            self.log.write({"kind": "sync", "update": self.update, "trainer": weights_checksum(self.model),
+            self.log.write({"kind": "sync", "update": self.num_updates, "trainer": weights_checksum(self.model),
                             "workers": self.workers.publisher.checksums()})
         self.close()
-        return self._finish() if self.rank == 0 else {"rank": self.rank, "updates": self.update}
+        return self._finish() if self.rank == 0 else {"rank": self.rank, "updates": self.num_updates}
 
     def train_step(self) -> dict[str, Any]:
         """One update: rollout → reward → loss → sketch → proposal → KL scale → apply."""
@@ -149,7 +156,7 @@ class RLTrainer:
             torch.cuda.reset_peak_memory_stats(self.device)
 
         # rollout and reward
-        problems, rollout = self._rollout(self._train_problems(self.update))
+        problems, rollout = self._rollout(self._train_problems(self.num_updates))
         rewards = torch.tensor([self.task.score(p, t) for p, t in zip(problems, rollout.responses, strict=True)])
         t_rollout = time.perf_counter()
         reward_sum, correct, n_all = self._sum(
@@ -192,7 +199,7 @@ class RLTrainer:
         record = self._controlled_update(rollout)
         t_apply = time.perf_counter()
         record.update({
-            "kind": "train", "update": self.update, "reward": reward_sum / n_all, "pass_rate": correct / n_all,
+            "kind": "train", "update": self.num_updates, "reward": reward_sum / n_all, "pass_rate": correct / n_all,
             "loss": loss_sum / n_tokens, "response_len": n_tokens / n_all,
             "truncation_rate": truncated / n_all, "clip_frac": clip_sum / n_tokens,
             "mismatch_kl": mismatch, "time_rollout": t_rollout - t0, "time_train": t_backward - t_rollout,
@@ -202,7 +209,7 @@ class RLTrainer:
         record.update(memory_stats(self.device))
         if self.scheduler is not None:
             self.scheduler.step()
-        self.update += 1
+        self.num_updates += 1
         return record
 
     def _controlled_update(self, rollout: Rollout) -> dict[str, Any]:
@@ -226,12 +233,12 @@ class RLTrainer:
 
         probe = rollout.select(slice(0, min(cfg.kl.probe_responses, len(rollout))))
         sent, stats = controlled_update(
-            self.model, proposal, apply, self.controller if cfg.kl.enabled else None, self.update,
+            self.model, proposal, apply, self.controller if cfg.kl.enabled else None, self.num_updates,
             (probe.input_ids, probe.attention_mask, probe.response_mask), temperature=cfg.temperature,
             max_tokens=cfg.kl.probe_max_tokens, reduce=self._sum)
         self.optimizer.zero_grad(set_to_none=True)
         if not cfg.kl.enabled:
-            stats["effective_budget"] = self.controller.effective_budget(self.update)
+            stats["effective_budget"] = self.controller.effective_budget(self.num_updates)
         return {**record, **sent, **stats}
 
     def add_gradient_hook(self, fn: Callable[[RLTrainer], None]) -> None:
@@ -262,7 +269,7 @@ class RLTrainer:
         ids = self.tokenizer([p.prompt for p in expanded])["input_ids"]
         eos = self.tokenizer.eos_token_id
         samples = self.workers.publisher.generate(ids, cfg.max_new_tokens, cfg.temperature,
-                                                  seed=cfg.seed * 1_000_003 + self.update * len(ids),
+                                                  seed=cfg.seed * 1_000_003 + self.num_updates * len(ids),
                                                   eos_token_id=eos)
         rows = [(s.prompt_ids, s.response_ids, s.logprobs, eos not in s.response_ids) for s in samples]
         return expanded, layout_rollouts(rows, self.tokenizer, self.device)
@@ -274,7 +281,7 @@ class RLTrainer:
         if self._eval_pool is None or self._eval_size != n:
             self._eval_pool, self._eval_size = distinct_problems(self.task, n, self.config.seed), n
         return evaluate(self.model, self.tokenizer, self.task, self._eval_pool, samples or self.config.eval_samples,
-                        self.config, self.update)
+                        self.config, self.num_updates)
 
     def _evaluate_and_log(self, bar: tqdm | None = None) -> dict[str, Any] | None:
         if self.rank != 0:  # the policy is identical on every rank; rank 0 evaluates it
@@ -305,7 +312,7 @@ class RLTrainer:
     def save_checkpoint(self) -> Path:
         """Weights (safetensors) + optimizer, controller, scheduler and RNG state (see `checkpoint.py`)."""
         state = {
-            "update": self.update, "baseline": self.baseline, "optimizer": self.optimizer.state_dict(),
+            "update": self.num_updates, "baseline": self.baseline, "optimizer": self.optimizer.state_dict(),
             "controller": self.controller.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         }
@@ -318,9 +325,9 @@ class RLTrainer:
         self.controller.load_state_dict(state["controller"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self.update, self.baseline = state["update"], state["baseline"]
+        self.num_updates, self.baseline = state["update"], state["baseline"]
         if self.rank == 0:  # metrics written after the checkpoint are dropped: the log matches the run
-            self.log.truncate(self.update)
+            self.log.truncate(self.num_updates)
 
     def close(self) -> None:
         """Stop the rollout workers (if any)."""
