@@ -20,7 +20,8 @@ HF tensor and where it lies in one rank's fused tensor). `apply_delta_fused` mer
 `merge_update` as `apply_delta`, so the fused slice holds the bits that the HF weight
 would hold (for shards with tp > 1 the default ``strategy='full'`` runs that matmul at
 the HF weight's shape, because a BLAS may round a smaller GEMM differently).
-`FusedReceiver` adds the checks of `logra.sync`: the step must be the next one, the fused state's checksum must match the trainer's per-rank expectation
+`FusedReceiver` adds the checks of `logra.sync`: the step must be the next one, the
+fused state's checksum must match the trainer's per-rank expectation
 (`expected_fused_checksum`), and `FusedReceiver.resync` rebuilds the fused tensors from
 a full HF state dict (`fuse_state_dict` / `copy_into_fused`).
 
