@@ -25,3 +25,35 @@ class KLPredictionError(LoGRAError):
 
 class MissingExtraError(LoGRAError, ImportError):
     """An optional dependency is not installed; the message names the extra that installs it."""
+
+
+class ProjectionMismatchError(LoGRAError):
+    """Ranks drew different projections (or sketch different targets); their sketches cannot be summed."""
+
+
+class SyncError(LoGRAError):
+    """A policy-sync link failed or a peer broke the protocol."""
+
+
+class HandshakeError(SyncError):
+    """A worker was refused at handshake: its model or LoGRA config differs from the trainer's.
+
+    Attributes:
+        field: what differs (``'config.rank'``, ``'parameter names'``, ``'shape of <name>'``, ...).
+    """
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class NoWorkersLeftError(SyncError):
+    """Every rollout worker is lost or refused; the trainer's own state is intact."""
+
+
+class TrainerLostError(SyncError):
+    """A worker lost its link to the trainer (the trainer died or timed out)."""
+
+
+class LinkError(SyncError):
+    """A send or receive on one point-to-point link of policy sync failed or timed out."""

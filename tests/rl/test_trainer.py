@@ -169,7 +169,7 @@ def _dp_rank(rank: int, world: int, store: str, root: str) -> None:
     import torch.distributed as dist
 
     from logra import weights_checksum
-    from logra.distributed import init_local
+    from logra.parallel import init_local
 
     init_local(rank, world, store)
     try:
@@ -185,7 +185,7 @@ def _dp_rank(rank: int, world: int, store: str, root: str) -> None:
 
 def test_data_parallel_two_ranks_stay_identical(tmp_path):
     """Two ranks split the prompts, all-reduce one sketch buffer and apply the same step."""
-    from logra.distributed import spawn_local
+    from logra.parallel import spawn_local
 
     assert spawn_local(_dp_rank, 2, args=(str(tmp_path),), timeout=300) == [0, 0]
     assert (tmp_path / "digest0").read_text() == (tmp_path / "digest1").read_text()

@@ -45,6 +45,7 @@ from torch import nn
 
 from logra import LoGRAConfig
 from logra.bench import memory
+from logra.bench.common import FULL_SHAPE, QUICK_SHAPE, WorkerError, size_unit, spawn_worker
 from logra.memory import CATEGORIES, GIB
 
 #: Methods in table order; the first is the baseline the ratios refer to.
@@ -55,17 +56,19 @@ _PEERS_RANKED = ("lora", "galore", "apollo")
 
 #: Model presets (Qwen2 architecture, untied embeddings, 32k vocabulary except ``tiny``).
 SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(memory._QUICK_SHAPE),
+    "tiny": dict(QUICK_SHAPE),
     "25m": {"hidden": 256, "layers": 12, "heads": 4, "kv_heads": 2, "intermediate": 704, "vocab": 32000},
     "100m": {"hidden": 640, "layers": 14, "heads": 10, "kv_heads": 2, "intermediate": 1728, "vocab": 32000},
-    "330m": dict(memory._FULL_SHAPE),
+    "330m": dict(FULL_SHAPE),
 }
 _FULL = {"sizes": "25m,100m,330m", "ranks": "64,256", "batch": 2, "seq": 256, "repeats": 2}
 _QUICK = {"sizes": "tiny", "ranks": "16", "batch": 2, "seq": 16, "repeats": 1}
 # The peers' published defaults for projection refresh and update scale.
 _PROJ_GAP = 200
 _GALORE_GROUP = {"update_proj_gap": _PROJ_GAP, "scale": 0.25, "proj_type": "std"}
-_APOLLO_GROUP = {"proj": "random", "scale_type": "channel", "scale": 1.0, "update_proj_gap": _PROJ_GAP, "proj_type": "std"}
+_APOLLO_GROUP = {
+    "proj": "random", "scale_type": "channel", "scale": 1.0, "update_proj_gap": _PROJ_GAP, "proj_type": "std",
+}
 # Same hyper-parameters as the dense control of `logra.bench.memory`; they do not change
 # memory or time, and a small lr keeps the random model's loss finite.
 _ADAM_KW = {"lr": 1e-6, "betas": (0.9, 0.95), "weight_decay": 0.0}
@@ -106,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation checkpointing of every decoder layer (HF, non-reentrant) for all methods")
     p.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager"),
                    help="transformers attention implementation (default sdpa)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker (default 1: the CPUs are shared)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads per worker (default 1: the CPUs are shared)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights and the token batch (default 0)")
     p.add_argument("--quick", action="store_true",
                    help="tiny model, batch 2 x 16 tokens, rank 16, 1 repeat (explicit options still win)")
@@ -265,7 +269,7 @@ def _worker_main(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- report
 
-def _fail_result(size: str, method: str, rank: int | None, err: memory.WorkerError) -> dict[str, Any]:
+def _fail_result(size: str, method: str, rank: int | None, err: WorkerError) -> dict[str, Any]:
     code = f"exit code {err.returncode}" if err.returncode >= 0 else f"killed by signal {-err.returncode}"
     return {"size": size, "method": method, "rank": rank, "error": f"{err.last_line or '(no output)'} ({code})"}
 
@@ -280,7 +284,7 @@ def _avg_peak(r: dict[str, Any]) -> tuple[float, float, str]:
 
 def _unit(results: list[dict[str, Any]]) -> tuple[str, int]:
     ok = [r for r in results if "error" not in r]
-    return memory._unit(ok) if ok else ("GiB", GIB)
+    return size_unit(ok) if ok else ("GiB", GIB)
 
 
 def _cell(text: str) -> str:
@@ -366,13 +370,13 @@ def plot_bars(results: list[dict[str, Any]], sizes: list[str], path: Path) -> Pa
     unit, div = _unit(results)
     fig, axes = plt.subplots(1, len(sizes), figsize=(5.2 * len(sizes), 0.42 * len(labels) + 1.6),
                              sharey=True, squeeze=False)
-    for i, (size, ax) in enumerate(zip(sizes, axes[0])):
+    for i, (size, ax) in enumerate(zip(sizes, axes[0], strict=True)):
         color = _SIZE_COLORS[i % len(_SIZE_COLORS)]
         rows = [by_key.get((size, label)) for label in labels]
         peaks = [_avg_peak(r)[1] / div for r in rows if r is not None and "error" not in r]
         xmax = max(peaks, default=1.0)
         params = next((r["params"] for r in rows if r is not None and "error" not in r), None)
-        for y, (label, r) in enumerate(zip(labels, rows)):
+        for y, r in enumerate(rows):
             if r is None:
                 continue
             if "error" in r:
@@ -474,9 +478,9 @@ def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         _log(label, "starting worker process")
         worker_argv = common + ["--worker-size", size, "--worker-rank", str(rank or max(args.rank_list))]
         try:
-            r = memory._spawn(method, worker_argv, module="logra.bench.compare")
+            r = spawn_worker(method, worker_argv, "logra.bench.compare")
             r["rank"] = rank
-        except memory.WorkerError as err:
+        except WorkerError as err:
             r = _fail_result(size, method, rank, err)
             _log(label, f"FAILED: {r['error']}")
         results.append(r)
@@ -495,7 +499,8 @@ def _report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         f"{args.repeats} timed + {args.memory_repeats} memory-tracked step(s) per method, one process per "
         "method and size. Memory categories are MemTracker's at the highest step peak (a peak in the backward pass "
         "may precede most gradients); 'grads / opt. state at opt. step' = the same categories at the optimizer "
-        "step's peak; 'avg / peak' = mean / max over the tracked steps of each step's peak. Step time: median of the untracked steps. AdamW, 8-bit "
+        "step's peak; 'avg / peak' = mean / max over the tracked steps of each step's peak. Step time: median of the "
+        "untracked steps. AdamW, 8-bit "
         "AdamW, GaLore and APOLLO train every parameter; LoRA trains adapters only; logra-freeze freezes "
         "embeddings, lm_head, norms and biases. GaLore/APOLLO refresh their projections every "
         f"{_PROJ_GAP} steps: the refresh falls in the untimed warm-up step (see warmup_step_time in compare.json).\n",
@@ -511,9 +516,9 @@ def _report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     if len(args.size_list) > 1:
         parts.append(f"### Across sizes\n\n{format_summary(results, args.size_list, unit)}\n")
     failed = [r for r in results if "error" in r]
+    failed_labels = ", ".join(sorted({_label(r["method"], r["rank"]) for r in failed}))
     parts.append(f"{len(results) - len(failed)} of {len(results)} runs measured"
-                 + (f"; failed: {', '.join(sorted({_label(r['method'], r['rank']) for r in failed}))}" if failed else "")
-                 + ".")
+                 + (f"; failed: {failed_labels}" if failed else "") + ".")
     text = "\n".join(parts)
     print(text)
 

@@ -39,7 +39,6 @@ import gc
 import json
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -50,8 +49,8 @@ import torch
 from torch import nn
 
 from logra import LoGRAConfig, LoGRAOptimizer
-from logra.bench import relay
-from logra.memory import CATEGORIES, GIB, MemoryReport, track_memory
+from logra.bench.common import FULL_SHAPE, QUICK_SHAPE, size_unit, spawn_worker
+from logra.memory import CATEGORIES, MemoryReport, track_memory
 
 #: Methods in table order; the first is the baseline the ratios refer to.
 METHODS: tuple[str, ...] = ("adamw", "logra-freeze", "logra-sketch")
@@ -60,11 +59,6 @@ _BASELINE = "adamw"
 PEAK_TARGET = 0.40
 TIME_TARGET = 0.85
 
-# A Qwen2.5-0.5B-like shape (hidden 1024, 24 layers, GQA 16/2) with a 32k vocabulary and
-# an untied lm_head: ~330 M fp32 parameters, which fits with AdamW in 24 GiB of host RAM.
-_FULL_SHAPE = {"hidden": 1024, "layers": 24, "heads": 16, "kv_heads": 2, "intermediate": 2816, "vocab": 32000}
-# --quick: small enough for a unit test, with parameters (not logits) dominating memory.
-_QUICK_SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 256}
 _QUICK_RUN = {"batch": 2, "seq": 16, "rank": 16, "repeats": 1}
 _FULL_RUN = {"batch": 2, "seq": 256, "rank": 256, "repeats": 3}
 
@@ -79,13 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(LoGRA peak <= {PEAK_TARGET} x AdamW, step time <= {TIME_TARGET} x AdamW).",
     )
     shape = p.add_argument_group("model (defaults: ~330M-parameter Qwen2.5-0.5B-like shape; --quick: tiny)")
-    shape.add_argument("--hidden", type=int, default=None, help=f"hidden size (default {_FULL_SHAPE['hidden']})")
-    shape.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {_FULL_SHAPE['layers']})")
-    shape.add_argument("--heads", type=int, default=None, help=f"attention heads (default {_FULL_SHAPE['heads']})")
-    shape.add_argument("--kv-heads", type=int, default=None, help=f"key/value heads (default {_FULL_SHAPE['kv_heads']})")
+    shape.add_argument("--hidden", type=int, default=None, help=f"hidden size (default {FULL_SHAPE['hidden']})")
+    shape.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {FULL_SHAPE['layers']})")
+    shape.add_argument("--heads", type=int, default=None, help=f"attention heads (default {FULL_SHAPE['heads']})")
+    shape.add_argument("--kv-heads", type=int, default=None, help=f"key/value heads (default {FULL_SHAPE['kv_heads']})")
     shape.add_argument("--intermediate", type=int, default=None,
-                       help=f"MLP intermediate size (default {_FULL_SHAPE['intermediate']})")
-    shape.add_argument("--vocab", type=int, default=None, help=f"vocabulary size (default {_FULL_SHAPE['vocab']})")
+                       help=f"MLP intermediate size (default {FULL_SHAPE['intermediate']})")
+    shape.add_argument("--vocab", type=int, default=None, help=f"vocabulary size (default {FULL_SHAPE['vocab']})")
     shape.add_argument("--checkpointing", action="store_true",
                        help="activation checkpointing of every decoder layer (HF, non-reentrant) for all methods")
     shape.add_argument("--tie", action="store_true", help="tie input embeddings and lm_head (Qwen2.5-0.5B/1.5B style)")
@@ -107,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--adamw-impl", default="default", choices=("default", "foreach", "fused"),
                      help="AdamW implementation of the baseline (default: torch's choice for the device: "
                      "a per-tensor loop on CPU, foreach on CUDA)")
-    run.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker (default 1: the CPUs are shared)")
+    run.add_argument("--threads", type=int, default=1,
+                     help="torch CPU threads per worker (default 1: the CPUs are shared)")
     run.add_argument("--seed", type=int, default=0, help="seed of the model weights and the token batch (default 0)")
     run.add_argument("--quick", action="store_true",
                      help="tiny model, batch 2 x 16 tokens, rank 16, 1 repeat (explicit options still win)")
@@ -119,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill unset shape/run options from the full or the --quick defaults."""
-    shape = _QUICK_SHAPE if args.quick else _FULL_SHAPE
+    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
     run = _QUICK_RUN if args.quick else _FULL_RUN
     for key, value in {**shape, **run}.items():
         if getattr(args, key) is None:
@@ -332,45 +327,11 @@ def _worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
-class WorkerError(RuntimeError):
-    """A worker process exited without a result.
-
-    Attributes:
-        method: the method it measured.
-        returncode: its exit status (negative: killed by that signal).
-        last_line: the last line it printed (for a Python exception, ``Type: message``).
-    """
-
-    def __init__(self, method: str, returncode: int, last_line: str) -> None:
-        self.method, self.returncode, self.last_line = method, returncode, last_line
-        super().__init__(f"worker for {method!r} failed with exit code {returncode}: {last_line}")
-
-
-def _spawn(method: str, argv: list[str], module: str = "logra.bench.memory") -> dict[str, Any]:
-    """Run one method in a fresh interpreter (``python -m module``) and read back its JSON.
-
-    Raises `WorkerError` if the worker fails.
-    """
-    with tempfile.TemporaryDirectory(prefix="logra-bench-") as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", module, *argv, "--worker", method, "--worker-out", str(out)]
-        code, last = relay(cmd)
-        if code != 0 or not out.exists():
-            raise WorkerError(method, code, last)
-        return json.loads(out.read_text())
-
-
-def _unit(results: list[dict[str, Any]]) -> tuple[str, int]:
-    # GiB for real models; MiB keeps --quick's figures readable.
-    largest = max(max(r["tracked_peak"], r["rss_peak"]) for r in results)
-    return ("GiB", GIB) if largest >= GIB else ("MiB", 1024**2)
-
-
 def format_table(results: list[dict[str, Any]]) -> str:
     """The markdown table of measured results (ratios against the AdamW row, if present)."""
     base = next((r for r in results if r["method"] == _BASELINE), None)
     cuda = any(r.get("cuda_max_allocated") is not None for r in results)
-    unit, div = _unit(results)
+    unit, div = size_unit(results)
 
     def fmt(nbytes: float) -> str:
         return f"{nbytes / div:.3f}"
@@ -448,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for method in methods:
         _log(method, "starting worker process")
-        results.append(_spawn(method, worker_argv))
+        results.append(spawn_worker(method, worker_argv, "logra.bench.memory"))
 
     setup = (f"Qwen2 random init, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
              f"intermediate {args.intermediate}, vocab {args.vocab}{' (tied)' if args.tie else ''}, fp32 weights; "

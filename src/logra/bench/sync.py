@@ -29,7 +29,7 @@ whole model would move them too.
 
 A second table gives, for data-parallel training, the payload all-reduced per update:
 LoGRA's fp32 sketch buffer vs the dense gradients DDP would all-reduce
-(`logra.distributed.allreduce_bytes`). The informative end-to-end lines compare the
+(`logra.parallel.allreduce_bytes`). The informative end-to-end lines compare the
 sum of encode, transfer and apply per update.
 """
 
@@ -54,9 +54,8 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from logra import LoGRAConfig, LoGRAOptimizer, PolicyDelta, apply_delta, set_policy_step, weights_checksum
-from logra.distributed import allreduce_bytes, init_local, spawn_local
+from logra.parallel import allreduce_bytes, decode_full_weights, init_local, load_full_weights, spawn_local
 from logra.projection import stable_name
-from logra.sync import decode_full_weights, load_full_weights
 
 #: Qwen2.5 shapes: hidden, intermediate, attention heads, KV heads, decoder layers.
 SHAPES: dict[str, dict[str, int]] = {
@@ -228,7 +227,7 @@ def _run_shape(rank: int, shape_name: str, args: dict[str, Any]) -> dict[str, An
 
 
 def _merge(sender: dict[str, Any], receiver: dict[str, Any]) -> dict[str, Any]:
-    for s_row, r_row in zip(sender["rows"], receiver["rows"]):
+    for s_row, r_row in zip(sender["rows"], receiver["rows"], strict=True):
         for method in ("lowrank", "full", "sparse"):
             s, r = s_row[method], r_row[method]
             s["transfer_s"] = r["recv_done"] - s["send_start"]
@@ -254,17 +253,19 @@ def _table(results: list[dict[str, Any]]) -> tuple[list[str], list[tuple[str, bo
         scale = rec["total_layers"] / rec["layers"]
         rows = rec["rows"]
 
-        def med(method: str, key: str, rank: int | None = None) -> float:
+        def med(method: str, key: str, rank: int | None = None, rows: list[Any] = rows, scale: float = scale) -> float:
             vals = [row[method][key] for row in rows if rank is None or row["rank"] == rank]
             return statistics.median(vals) * scale
 
-        def line(label: str, method: str, rank: int | None = None, note: str = "") -> None:
+        full_bytes = med("full", "bytes")
+
+        def line(label: str, method: str, rank: int | None = None, note: str = "", shape: str = rec["shape"],
+                 full_bytes: float = full_bytes) -> None:
             b = med(method, "bytes", rank)
             enc, tr, ap = med(method, "encode_s", rank), med(method, "transfer_s", rank), med(method, "apply_s", rank)
-            lines.append(f"| {rec['shape']} | {label}{note} | {_fmt_bytes(b)} | {b / full_bytes:.2%} | {enc:.3f} | "
+            lines.append(f"| {shape} | {label}{note} | {_fmt_bytes(b)} | {b / full_bytes:.2%} | {enc:.3f} | "
                          f"{tr:.3f} | {ap:.3f} | {enc + tr + ap:.3f} |")
 
-        full_bytes = med("full", "bytes")
         line("full bf16", "full")
         ranks = sorted({row["rank"] for row in rows})
         for r in ranks:
@@ -279,8 +280,8 @@ def _table(results: list[dict[str, Any]]) -> tuple[list[str], list[tuple[str, bo
             checks.append((f"{rec['shape']} rank {r}: low-rank bytes {ratio:.2%} of full <= r/in = {r}/{rec['hidden']} "
                            f"= {bound:.2%}", ratio <= bound))
             apply = med("lowrank", "apply_s", r)
-            checks.append((f"{rec['shape']} rank {r}: receiver apply {apply:.3f} s <= full-weight load {full_load:.3f} s",
-                           apply <= full_load))
+            checks.append((f"{rec['shape']} rank {r}: receiver apply {apply:.3f} s <= full-weight load "
+                           f"{full_load:.3f} s", apply <= full_load))
         exact = all(row["sparse_exact"] for row in rows)
         checks.append((f"{rec['shape']}: sparse bf16 sync reproduces the full sync bit for bit", exact))
     return lines, checks
@@ -292,7 +293,7 @@ def _end_to_end(results: list[dict[str, Any]]) -> list[str]:
     for rec in results:
         scale = rec["total_layers"] / rec["layers"]
 
-        def total(method: str, rank: int | None = None) -> float:
+        def total(method: str, rank: int | None = None, rec: dict[str, Any] = rec, scale: float = scale) -> float:
             rows = [row[method] for row in rec["rows"] if rank is None or row["rank"] == rank]
             # Sum of the per-phase medians, as in the table's "total s" column.
             return sum(statistics.median(r[k] for r in rows) for k in ("encode_s", "transfer_s", "apply_s")) * scale
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("\n".join(lines))
     print()
-    print("Data-parallel training, payload all-reduced per update (`logra.distributed.allreduce_bytes`, fp32):\n")
+    print("Data-parallel training, payload all-reduced per update (`logra.parallel.allreduce_bytes`, fp32):\n")
     print("| shape | rank | LoGRA sketch | DDP dense gradients | ratio |")
     print("|---|---|---|---|---|")
     for rec in results:

@@ -11,17 +11,25 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
 from conftest import tiny_llama, tiny_qwen2, token_batch
-
 from logra import LoGRAConfig, LoGRAOptimizer, PolicyDelta, apply_delta, policy_step, weights_checksum
-from logra.distributed import init_local, spawn_local
-from logra.projection import stable_name
-from logra.sync import (
-    HandshakeError, NoWorkersLeftError, PolicyIdentity, PolicyPublisher, RolloutWorker, SyncTestHooks,
-    decode_full_weights, encode_full_weights, load_full_weights,
+from logra.parallel import (
+    HandshakeError,
+    NoWorkersLeftError,
+    PolicyIdentity,
+    PolicyPublisher,
+    RolloutWorker,
+    SyncTestHooks,
+    decode_full_weights,
+    encode_full_weights,
+    init_local,
+    load_full_weights,
+    spawn_local,
 )
+from logra.projection import stable_name
 
-PRELOAD = ["torch", "torch.distributed", "transformers.models.qwen2.modeling_qwen2", "logra", "logra.sync",
+PRELOAD = ["torch", "torch.distributed", "transformers.models.qwen2.modeling_qwen2", "logra", "logra.parallel",
            "conftest", "test_sync"]
 FAULTY = LoGRAConfig(rank=4, non_target="sketch", non_target_lr=1e-3)  # embeddings sketched, norms/biases AdamW
 FROZEN = LoGRAConfig(rank=4)
@@ -167,7 +175,7 @@ def test_generate_through_workers(faults_run):
     trainer, _ = faults_run
     workers = {w for w, *_ in trainer["rollouts"]}
     assert workers == {1, 2}
-    for (worker, step, response, logprobs), teacher in zip(trainer["rollouts"], trainer["teacher"]):
+    for (_, step, response, logprobs), teacher in zip(trainer["rollouts"], trainer["teacher"], strict=True):
         assert step == 30 and 1 <= len(response) <= 6
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(teacher), rtol=1e-4, atol=1e-4)
 

@@ -10,7 +10,6 @@ from fractions import Fraction
 
 import pytest
 
-from logra import tasks as T
 from logra.tasks import (
     EXTRACT_MODES,
     REASONING_GYM_HARD,
@@ -19,8 +18,10 @@ from logra.tasks import (
     Problem,
     ReasoningGymTask,
     Task,
+    base,
     extract_answer,
     format_answer,
+    gym,
     is_correct,
     list_tasks,
     make_task,
@@ -189,7 +190,7 @@ def test_rg_hard_preset_grades_references():
 
 
 def test_rg_hard_preset_missing_name_raises(monkeypatch):
-    monkeypatch.setattr(T, "REASONING_GYM_HARD", REASONING_GYM_HARD + ("no_such_task",))
+    monkeypatch.setattr(gym, "REASONING_GYM_HARD", REASONING_GYM_HARD + ("no_such_task",))
     with pytest.raises(ValueError, match="no_such_task"):
         make_task("rg-hard")
 
@@ -235,8 +236,8 @@ def test_rg_problems_deterministic_prefix_and_seeded(arith):
 def test_too_small_problem_space_for_eval_raises():
     # count_bits with n fixed to 1 has a single question, so one split is empty.
     task = ReasoningGymTask("count_bits", config=dict(min_n=1, max_n=1))
-    (question,) = {p.metadata["entry"]["question"] for s in T._SPLITS for p in _safe_problems(task, s)}
-    empty = "train" if T._split_of(question, task.eval_fraction) == "eval" else "eval"
+    (question,) = {p.metadata["entry"]["question"] for s in base.SPLITS for p in _safe_problems(task, s)}
+    empty = "train" if base.split_of(question, task.eval_fraction) == "eval" else "eval"
     with pytest.raises(RuntimeError, match="too small"):
         task.problems(empty, 3, seed=0)
 
@@ -387,7 +388,8 @@ def test_math_jsonl_loads_key_styles_and_grades_equivalence(tmp_path):
     assert task.score(half, "no box: 0.5") == 0.0
     assert task.score(problem("Pick one."), "\\boxed{B}") == 1.0
     assert task.score(problem("Count."), "\\boxed{7.0}") == 1.0
-    assert task.score(problem("Natalia sold clips..."), task.reference_response(problem("Natalia sold clips..."))) == 1.0
+    clips = problem("Natalia sold clips...")
+    assert task.score(clips, task.reference_response(clips)) == 1.0
     assert task.failures == 0
 
     answer_mode = MathJsonlTask(str(path), extract="answer")

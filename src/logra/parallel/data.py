@@ -1,6 +1,6 @@
 """Data-parallel LoGRA on ``torch.distributed``: all-reduce sketches, not dense gradients.
 
-Spec §7. Every rank draws the same projections from the seed, so the sum over ranks of
+docs/method.md §7. Every rank draws the same projections from the seed, so the sum over ranks of
 their sketches ``S_k = G_k Aᵀ`` is the sketch of the global batch, ``(Σ G_k) Aᵀ``. One
 all-reduce of the ``[Σ out, r]`` fp32 sketch buffer per update replaces DDP's all-reduce
 of ``Σ out·in`` dense gradients (`allreduce_bytes` gives both sizes).
@@ -25,18 +25,13 @@ A typical update on every rank::
     allreduce_sketches(opt)                         # one collective (+1 for dense non-targets)
     delta = opt.step()
 
-Row-sharded weights (FSDP2 ``fully_shard``, ``Shard(0)``) use `RowShardedLoGRA`
-instead of ``opt.propose``/``opt.apply``: every rank holds the full sketch and updates
-only its own rows ``W_local -= U[rows] A``; the weight norm of the update-ratio step
-size is reduced across ranks.
+Row-sharded weights (FSDP2) use `logra.parallel.fsdp.RowShardedLoGRA` on top of this.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import hashlib
-import math
 import os
 import tempfile
 import time
@@ -47,23 +42,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from .delta import PolicyDelta
-from .errors import LoGRAError
-from .optimizer import LoGRAOptimizer, Proposal
-
-__all__ = [
-    "DistInfo", "ProjectionMismatchError", "RowShardedLoGRA", "allreduce_bytes", "allreduce_sketches",
-    "count_loss_tokens", "default_backend", "global_token_count", "init_from_env", "init_local",
-    "spawn_local", "verify_projections",
-]
+from ..errors import ProjectionMismatchError
+from ..optimizer import LoGRAOptimizer
 
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
-
-
-class ProjectionMismatchError(LoGRAError):
-    """Ranks drew different projections (or sketch different targets); their sketches cannot be summed."""
 
 
 @dataclass(frozen=True)
@@ -258,7 +241,7 @@ def allreduce_sketches(optimizer: LoGRAOptimizer, group: dist.ProcessGroup | Non
     flat = torch.cat(pieces + [flags])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     offset = 0
-    for p, has_grad in zip(params, flat[-len(params):].tolist()):
+    for p, has_grad in zip(params, flat[-len(params):].tolist(), strict=True):
         chunk = flat[offset: offset + p.numel()].view_as(p)
         offset += p.numel()
         if has_grad > 0:
@@ -312,7 +295,7 @@ def verify_projections(optimizer: LoGRAOptimizer, group: dist.ProcessGroup | Non
     dist.all_gather_object(gathered, mine, group=group)
     ref = gathered[0]
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(gathered)))
-    for rank, other in zip(ranks[1:], gathered[1:]):
+    for rank, other in zip(ranks[1:], gathered[1:], strict=True):
         for key in ("num_updates", "sync"):
             if other[key] != ref[key]:
                 raise ProjectionMismatchError(
@@ -320,144 +303,12 @@ def verify_projections(optimizer: LoGRAOptimizer, group: dist.ProcessGroup | Non
                     "its projections cannot match")
         names_ref, names_other = [t[0] for t in ref["targets"]], [t[0] for t in other["targets"]]
         if names_ref != names_other:
-            first = next((a, b) for a, b in zip(names_ref + [None], names_other + [None]) if a != b)
+            first = next((a, b) for a, b in zip(names_ref + [None], names_other + [None], strict=False) if a != b)
             raise ProjectionMismatchError(
                 f"rank {rank} sketches other targets than rank {ranks[0]}: first difference "
                 f"{first[1]!r} (rank {rank}) vs {first[0]!r} (rank {ranks[0]})")
-        for (name, shape_ref, digest_ref), (_, shape, digest) in zip(ref["targets"], other["targets"]):
+        for (name, shape_ref, digest_ref), (_, shape, digest) in zip(ref["targets"], other["targets"], strict=True):
             if shape != shape_ref or digest != digest_ref:
                 raise ProjectionMismatchError(
                     f"rank {rank} drew a different projection for {name!r} than rank {ranks[0]} "
                     f"(shape {shape} vs {shape_ref}, digest {digest} vs {digest_ref}); first differing layer")
-
-
-class RowShardedLoGRA:
-    """LoGRA over FSDP2 row-sharded target weights (``fully_shard``, ``Shard(0)``), spec §7.
-
-    Build the optimizer AFTER ``fully_shard`` (its targets must be the sharded DTensor
-    parameters), then use this object's `propose`/`apply`/`step` in place of the
-    optimizer's. What it does:
-
-    - forward: FSDP2 all-gathers each layer's weights before its forward. The sketch
-      forward reads the weight from the optimizer's target record, so a forward pre-hook
-      points that record at the gathered weight for the duration of the call (and a
-      post-hook back at the shard). The full ``H`` reaches the backward, so every rank
-      holds the full ``[Σ out, r]`` sketch of its data; `allreduce_sketches` sums them.
-    - propose: identical on every rank (same summed sketch, same projections). With the
-      update-ratio step size, the norm of all target weights is the sum of the ranks'
-      local shards (all-gathered and summed in rank order, so every rank gets the same
-      bits); the core's own norm would see only this rank's shard.
-    - apply: each rank merges ``W_local -= U[rows] A`` into its own rows; the returned
-      `PolicyDelta` holds the full factors ``U`` (identical on every rank), ready to
-      publish to rollout workers.
-
-    Only ``non_target='freeze'`` (the paper default) is supported: dense non-target
-    training under FSDP2 needs a reduce-scatter of sharded gradients, which this path
-    does not implement. Single 1-D device mesh only.
-    """
-
-    def __init__(self, optimizer: LoGRAOptimizer, group: dist.ProcessGroup | None = None) -> None:
-        from torch.distributed.tensor import DTensor, Shard
-
-        if optimizer.config.non_target != "freeze":
-            raise ValueError("RowShardedLoGRA supports non_target='freeze' only (dense non-target "
-                             f"training under FSDP2 is not implemented), got {optimizer.config.non_target!r}")
-        self.optimizer = optimizer
-        self.group = group
-        self._targets = optimizer._sketches.targets
-        self._sharded: dict[str, Any] = {}
-        self._rows: dict[str, slice] = {}
-        for name, target in self._targets.items():
-            w = target.weight
-            if not isinstance(w, DTensor) or tuple(w.placements) != (Shard(0),):
-                raise ValueError(
-                    f"target {name} is not a Shard(0) DTensor ({type(w).__name__}); apply fully_shard "
-                    "before creating the LoGRAOptimizer")
-            if any(m.weight is not w for m in target.modules):
-                raise ValueError(f"target {name}: the module's weight is not the sharded parameter")
-            mesh = w.device_mesh
-            if mesh.ndim != 1:
-                raise ValueError(f"target {name}: only a 1-D device mesh is supported, got {mesh.ndim}-D")
-            out, local = w.shape[0], w.to_local().shape[0]
-            chunk = math.ceil(out / mesh.size())
-            start = min(mesh.get_local_rank() * chunk, out)
-            if local != min(chunk, out - start):
-                raise ValueError(f"target {name}: unexpected local shard of {local} rows (out={out}, chunk={chunk})")
-            self._sharded[name] = w
-            self._rows[name] = slice(start, start + local)
-        self._handles = []
-        for target in self._targets.values():
-            for module in target.modules:
-                self._handles.append(module.register_forward_pre_hook(self._gathered_weight))
-                self._handles.append(module.register_forward_hook(self._sharded_weight))
-
-    def _gathered_weight(self, module: nn.Module, args: Any) -> None:
-        module._logra_target.weight = module.weight
-
-    def _sharded_weight(self, module: nn.Module, args: Any, output: Any) -> None:
-        target = module._logra_target
-        target.weight = self._sharded[target.name]
-
-    def rows(self, name: str) -> slice:
-        """The rows of target ``name`` that this rank holds."""
-        return self._rows[name]
-
-    def _global_weight_norm(self) -> float:
-        local = torch.stack([self._sharded[n].to_local().float().square().sum() for n in self._targets])
-        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(gathered, local, group=self.group)
-        per_target = gathered[0].clone()
-        for g in gathered[1:]:  # rank order: every rank adds the same numbers in the same order
-            per_target += g
-        # Equal to the core's single-process norm up to float rounding (the squares of one
-        # target are summed shard by shard here); the tests check it to rtol 1e-5.
-        return float(torch.linalg.vector_norm(per_target.sqrt()))
-
-    @torch.no_grad()
-    def propose(self) -> Proposal:
-        """The optimizer's proposal, with the step size from the global weight norm."""
-        opt = self.optimizer
-        group = opt.param_groups[0]
-        ratio = group["update_ratio"]
-        if ratio is None:
-            return opt.propose()
-        saved = {k: group[k] for k in ("update_ratio", "lr", "weight_decay")}
-        group.update(update_ratio=None, lr=1.0, weight_decay=0.0)
-        try:
-            proposal = opt.propose()  # unit step: directions D, update_norm = ‖D A‖
-        finally:
-            group.update(saved)
-        norm = self._global_weight_norm()
-        scale = ratio * norm / proposal.update_norm if proposal.update_norm > 0 else 0.0
-        for d in proposal.directions.values():
-            d.mul_(scale)
-        proposal.update_norm = scale * proposal.update_norm
-        return proposal
-
-    @torch.no_grad()
-    def apply(self, proposal: Proposal, alpha: float = 1.0) -> PolicyDelta:
-        """Merge this rank's rows of ``α·proposal``; return the full `PolicyDelta`."""
-        local = dataclasses.replace(
-            proposal, directions={n: d[self._rows[n]] for n, d in proposal.directions.items()})
-        dtype = self.optimizer.config.torch_factor_dtype
-        # The same rounding as the core's apply, on the full directions.
-        factors = {n: (d * alpha).to(dtype) for n, d in proposal.directions.items()}
-        try:
-            for name, target in self._targets.items():
-                target.weight = self._sharded[name].to_local()
-            delta = self.optimizer.apply(local, alpha)
-        finally:
-            for name, target in self._targets.items():
-                target.weight = self._sharded[name]
-        delta.factors = factors
-        return delta
-
-    def step(self) -> PolicyDelta:
-        """``apply(propose())``."""
-        return self.apply(self.propose())
-
-    def remove(self) -> None:
-        """Remove the forward hooks (the optimizer's sketches stay installed)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()

@@ -19,14 +19,13 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from conftest import tiny_qwen2, token_batch
 from logra import LoGRAConfig, LoGRAOptimizer
 from logra.bench import diagnostics, learn
 from logra.bench.diagnostics import ProjectionVariant, cosines, predicted_cosines, reconstruction_stats
 from logra.rl import KLControlConfig, RLConfig, RLTrainer
 from logra.tasks import Problem, Task
 from logra.rl.tiny import byte_tokenizer
-
-from conftest import tiny_qwen2, token_batch
 
 RADEMACHER_FIXED = ProjectionVariant("fixed", "rademacher", False)
 RADEMACHER = ProjectionVariant("refreshed", "rademacher", True)

@@ -8,12 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import tiny_qwen2, token_batch
 
+from conftest import tiny_qwen2, token_batch
 from logra import LoGRAConfig, LoGRAOptimizer, apply_delta
-from logra.distributed import (
-    ProjectionMismatchError, RowShardedLoGRA, allreduce_bytes, allreduce_sketches, count_loss_tokens,
-    global_token_count, init_local, spawn_local, verify_projections,
+from logra.parallel import (
+    ProjectionMismatchError,
+    RowShardedLoGRA,
+    allreduce_bytes,
+    allreduce_sketches,
+    count_loss_tokens,
+    global_token_count,
+    init_local,
+    spawn_local,
+    verify_projections,
 )
 from logra.projection import stable_name
 
@@ -24,7 +31,7 @@ CONFIGS = {
     "adamw": LoGRAConfig(rank=4, non_target="adamw", non_target_lr=1e-3),
     "lr_mode": LoGRAConfig(rank=4, update_ratio=None, lr=1e-2, weight_decay=0.1, optimizer="sgd"),
 }
-PRELOAD = ["torch", "torch.distributed", "transformers.models.qwen2.modeling_qwen2", "logra", "logra.distributed",
+PRELOAD = ["torch", "torch.distributed", "transformers.models.qwen2.modeling_qwen2", "logra", "logra.parallel",
            "conftest", "test_distributed"]
 
 
@@ -65,10 +72,10 @@ def _dp_train(rank: int, world: int, config: LoGRAConfig, counts: dict[str, int]
         calls = 0
         real = dist.all_reduce
 
-        def counting(*a, **k):
+        def counting(*a, _real=real, **k):
             nonlocal calls
             calls += 1
-            return real(*a, **k)
+            return _real(*a, **k)
 
         dist.all_reduce = counting
         try:
@@ -160,7 +167,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 1e-7) -> None:
     assert set(got) == set(want)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ------------------------------------------------------------------ tests

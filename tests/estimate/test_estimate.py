@@ -10,8 +10,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from logra import LoGRAConfig, LoGRAOptimizer
 from logra.estimate import (
-    BUILTIN_SHAPES, CATEGORIES, GIB, PAPER_TABLE, ModelShape, compare_with_tracker, estimate, main,
-    measure_saved_activations, paper_comparison, predict_saved_activations,
+    BUILTIN_SHAPES,
+    CATEGORIES,
+    GIB,
+    PAPER_TABLE,
+    ModelShape,
+    compare_with_tracker,
+    estimate,
+    main,
+    measure_saved_activations,
+    paper_comparison,
+    predict_saved_activations,
 )
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -193,7 +202,8 @@ def test_fsdp_divides_sharded_state_but_not_activations_or_the_sketch() -> None:
     shape = BUILTIN_SHAPES["Qwen2.5-7B"]
     one = estimate(shape, "adamw", seq=2048, shard="fsdp", gpus=1, checkpointing=True)
     four = estimate(shape, "adamw", seq=2048, shard="fsdp", gpus=4, checkpointing=True)
-    assert four.phases["optimizer step"]["optimizer"] * 4 == pytest.approx(one.phases["optimizer step"]["optimizer"], rel=1e-6)
+    assert four.phases["optimizer step"]["optimizer"] * 4 == pytest.approx(
+        one.phases["optimizer step"]["optimizer"], rel=1e-6)
     assert four.phases["loss backward"]["activations"] == one.phases["loss backward"]["activations"]
     l1 = estimate(shape, "logra-freeze", seq=2048, shard="fsdp", gpus=1)
     l4 = estimate(shape, "logra-freeze", seq=2048, shard="fsdp", gpus=4)

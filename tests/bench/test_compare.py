@@ -45,7 +45,7 @@ def test_quick_compare_rows_errors_pngs_and_lora_gradients(tmp_path, capsys, mon
     shadow = tmp_path / "shadow"
     (shadow / "galore_torch").mkdir(parents=True)
     (shadow / "galore_torch" / "__init__.py").write_text(
-        'raise ImportError("galore_torch deliberately broken by test_bench_compare")\n')
+        'raise ImportError("galore_torch deliberately broken by test_compare")\n')
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(shadow), os.environ.get("PYTHONPATH")) if p))
 
     out = tmp_path / "out"
