@@ -57,3 +57,30 @@ class TrainerLostError(SyncError):
 
 class LinkError(SyncError):
     """A send or receive on one point-to-point link of policy sync failed or timed out."""
+
+
+class LayoutError(LoGRAError, ValueError):
+    """A model, tensor-parallel setting or parameter name that the vLLM layout cannot express."""
+
+
+class DeltaGapError(DeltaMismatchError):
+    """A delta whose step is not the next one (a gap, a reorder or a duplicate).
+
+    Attributes:
+        have: updates the receiver holds.
+        got: the delta's step.
+    """
+
+    def __init__(self, have: int, got: int) -> None:
+        kind = "gap" if got > have else "stale (already applied)"
+        super().__init__(f"out-of-order delta ({kind}): receiver holds the policy after {have} updates, "
+                         f"delta is update {got}; only update {have} is accepted (a gap needs a full resync)")
+        self.have, self.got = have, got
+
+
+class ChecksumMismatchError(DeltaMismatchError):
+    """The fused state's checksum differs from the trainer's expectation after an update."""
+
+
+class NeedsResyncError(DeltaMismatchError):
+    """The receiver's weights are known to be wrong; only `FusedReceiver.resync` is accepted."""

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         config = build_config(values, None if recipe == "none" else recipe)
     if config.dp > 1:
-        from .distributed import spawn_local
+        from .parallel import spawn_local
 
         codes = spawn_local(_dp_rank, config.dp, args=(config, bool(args.resume), args.quiet), timeout=7 * 24 * 3600)
         if any(codes):
@@ -205,7 +205,7 @@ def _dp_rank(rank: int, world: int, store: str, config: RLConfig, resume: bool, 
     """One data-parallel rank spawned by ``logra train --dp N``."""
     import torch.distributed as dist
 
-    from .distributed import init_local
+    from .parallel import init_local
 
     init_local(rank, world, store)
     try:

@@ -24,8 +24,8 @@ from logra import LoGRAConfig, LoGRAOptimizer
 from logra.bench import diagnostics, learn
 from logra.bench.diagnostics import ProjectionVariant, cosines, predicted_cosines, reconstruction_stats
 from logra.rl import KLControlConfig, RLConfig, RLTrainer
-from logra.tasks import Problem, Task
 from logra.rl.tiny import byte_tokenizer
+from logra.tasks import Problem, Task
 
 RADEMACHER_FIXED = ProjectionVariant("fixed", "rademacher", False)
 RADEMACHER = ProjectionVariant("refreshed", "rademacher", True)

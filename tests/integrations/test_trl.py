@@ -243,7 +243,7 @@ def test_conflicting_settings_are_refused(case, model_dir, tmp_path, monkeypatch
     args = _args(tmp_path)
     expect = {
         "use_vllm": "use_vllm=False", "fp16": "bf16=True", "optimizer": "logra_config=LoGRAConfig",
-        "peft": "drop peft_config", "non_target_sketch": "non_target='freeze'", "world_size": "logra.distributed",
+        "peft": "drop peft_config", "non_target_sketch": "non_target='freeze'", "world_size": "logra.parallel",
     }[case]
     if case == "use_vllm":
         args.use_vllm = True

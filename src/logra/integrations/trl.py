@@ -60,12 +60,12 @@ Conflicts with TRL / HF Trainer and how they are handled:
   not used.
 - ``use_vllm=True``: refused. TRL pushes the full weights to vLLM after every step;
   that path is untested with LoGRA, and shipping full weights discards what LoGRA's
-  `PolicyDelta` (``U`` factors + seeds) saves. Rollouts in other processes: `logra.sync`
+  `PolicyDelta` (``U`` factors + seeds) saves. Rollouts in other processes: `logra.parallel`
   ships ``trainer.logra_optimizer.last_delta``.
 - More than one process (DDP, DeepSpeed, FSDP): refused. The sketched weights have no
   ``.grad``, so DDP's gradient all-reduce never sees the sketches; data-parallel LoGRA
   all-reduces the ``[Σ out, r]`` sketch buffer instead
-  (`logra.distributed.allreduce_sketches`).
+  (`logra.parallel.allreduce_sketches`).
 - Multimodal batches: the KL probe feeds token ids only, so it refuses images; pass
   ``kl_control=False`` there.
 - ``fp16=True``: refused. accelerate's GradScaler unscales ``.grad`` only, so the loss
@@ -105,14 +105,14 @@ def _check_args(args: GRPOConfig, logra_config: LoGRAConfig) -> None:
             "LoGRAGRPOTrainer does not support use_vllm=True: TRL pushes the full weights to vLLM after every "
             "step, a path untested with LoGRA that also throws away what LoGRA's small per-update PolicyDelta "
             "saves. Set use_vllm=False (TRL generates with transformers on the trained weights). For rollouts in "
-            "separate processes, logra.sync (PolicyPublisher / RolloutWorker) ships each step's PolicyDelta "
+            "separate processes, logra.parallel (PolicyPublisher / RolloutWorker) ships each step's PolicyDelta "
             "(trainer.logra_optimizer.last_delta).")
     if args.world_size > 1 or args.deepspeed or args.fsdp:
         raise ValueError(
             f"LoGRAGRPOTrainer runs in one process (world size {args.world_size}, deepspeed={bool(args.deepspeed)}, "
             f"fsdp={bool(args.fsdp)}): the sketched weights have no .grad, so DDP/DeepSpeed/FSDP gradient reduction "
             "never sees the sketches. For data-parallel LoGRA all-reduce the sketch buffer instead "
-            "(logra.distributed.allreduce_sketches), or launch a single process.")
+            "(logra.parallel.allreduce_sketches), or launch a single process.")
     if args.fp16:
         raise ValueError(
             "LoGRAGRPOTrainer does not support fp16=True: accelerate's GradScaler unscales .grad only, so the loss "
@@ -198,7 +198,7 @@ class LoGRAGRPOTrainer(GRPOTrainer):
         if self.accelerator.num_processes > 1:
             raise ValueError(
                 f"LoGRAGRPOTrainer runs in one process, found {self.accelerator.num_processes}; for data-parallel "
-                "LoGRA all-reduce the sketch buffer (logra.distributed.allreduce_sketches).")
+                "LoGRA all-reduce the sketch buffer (logra.parallel.allreduce_sketches).")
 
     # ------------------------------------------------------------------ the optimizer
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..distributed import allreduce_sketches
 from ..optimizer import LoGRAOptimizer
+from ..parallel import allreduce_sketches
 
 
 def sum_over_ranks(values: list[float], world: int, device: torch.device) -> list[float]:

@@ -34,9 +34,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..delta import weights_checksum
-from ..distributed import global_token_count, init_from_env, verify_projections
 from ..kl import DenseProposal, controlled_update
 from ..optimizer import LoGRAOptimizer
+from ..parallel import global_token_count, init_from_env, verify_projections
 from ..tasks import Problem, Task, is_correct
 from .build import build_optimizer, load_policy
 from .checkpoint import load_checkpoint, save_checkpoint

@@ -2,7 +2,7 @@
 
 The trainer (rank 0 of a gloo group) publishes every update's `PolicyDelta`; each worker
 checks its step index and checksum before applying it (or asks for a full resync), then
-generates the next rollouts. See `logra.sync` for the protocol.
+generates the next rollouts. See `logra.parallel` for the protocol.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 from ..config import LoGRAConfig
 from ..delta import PolicyDelta
 from ..optimizer import LoGRAOptimizer
-from ..sync import PolicyPublisher, RolloutWorker
+from ..parallel import PolicyPublisher, RolloutWorker
 
 
 def _worker_main(rank: int, world: int, store: str, policy_dir: str, logra: dict[str, Any]) -> None:

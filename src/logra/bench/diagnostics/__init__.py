@@ -16,8 +16,8 @@ Three parts, chosen with ``--parts`` (default all):
 
     The gradients ``G_t`` are the real dense weight gradients of the RL policy-gradient
     loss (the trainer's own loss of its own rollouts: GRPO on the embedded task by
-    default) while `RLTrainer` trains the embedded policy with LoGRA (``RLConfig``
-    defaults). They are recorded during the trainer's own backward pass: a forward hook on
+    default) while `RLTrainer` trains the embedded policy with LoGRA (the embedded
+    recipe). They are recorded during the trainer's own backward pass: a forward hook on
     every target ``nn.Linear`` keeps its input ``X`` and a tensor hook on its output adds
     ``Hᵀ X`` (what dense autograd computes for the weight) into an fp32 buffer. Before
     each update applies, the optimizer's real sketches are compared with ``G_t A_tᵀ`` of
@@ -31,7 +31,7 @@ Three parts, chosen with ``--parts`` (default all):
 
 ``rank`` (Figure 5a)
     Held-out Pass@1 against the update for several LoGRA ranks (everything else
-    ``RLConfig`` defaults).
+    the embedded recipe).
 
 ``kl`` (Figure 6)
     A longer horizon with three step controls: the cosine budget schedule (paper), a

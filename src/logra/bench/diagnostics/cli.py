@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None, model_factory: Any = None) -> int:
     torch.set_num_threads(args.threads)
     args.passthrough = list(extra)
     base = {**_passthrough(extra), "threads": args.threads}
-    build_config(base)  # unknown `logra train` options fail here, before any run
+    build_config(base, "embedded")  # unknown `logra train` options fail here, before any run
     args.out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     print("## LoGRA diagnostics\n")

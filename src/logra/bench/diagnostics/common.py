@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from logra.bench.learn import RunResult, format_pm, read_run
-from logra.rl import RLConfig, RLTrainer
+from logra.rl import RLTrainer, recipe_config
 from logra.train import build_config
 
 PARTS: tuple[str, ...] = ("cosine", "rank", "kl")
 KL_VARIANTS: tuple[str, ...] = ("cosine", "constant", "none")
 
-_D = RLConfig()
+_D = recipe_config("embedded")
 #: The full protocol; anything smaller is labelled REDUCED.
 FULL: dict[str, Any] = {
     "cosine_updates": 16, "cosine_ranks": "auto", "ranks": "auto", "updates": _D.updates,
@@ -61,7 +61,7 @@ def run_variant(values: dict[str, Any], run_dir: Path, label: str, seed: int, re
     trainer's own prints go to stderr so the tables on stdout stay clean.
     ``model_factory`` (tests) returns ``(model, tokenizer, task)`` instead of the embedded policy.
     """
-    config = build_config({**values, "run_dir": str(run_dir), "seed": seed})
+    config = build_config({**values, "run_dir": str(run_dir), "seed": seed}, "embedded")
     saved = run_dir / "config.json"
     if reuse and (run_dir / "summary.json").exists() and saved.exists() and \
             json.loads(saved.read_text()) == json.loads(json.dumps(config.to_dict())):
@@ -87,7 +87,7 @@ def variant_table(groups: dict[str, list[RunResult]], first: str) -> str:
         kl = [x for r in runs for x in r.series("realized_kl", "train")[1]]
         alpha = [x for r in runs for x in r.series("alpha", "train")[1]]
         pairs = [(p, q) for r in runs
-                 for p, q in zip(r.series("predicted_kl", "train")[1], r.series("realized_kl", "train")[1],
+                 for p, q in zip(r.series("expected_kl", "train")[1], r.series("realized_kl", "train")[1],
                                  strict=False)
                  if not math.isnan(p) and q > 0]
         err = statistics.median(abs(p - q) / q for p, q in pairs) if pairs else float("nan")

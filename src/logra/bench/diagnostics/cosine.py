@@ -207,7 +207,7 @@ def run_cosine(args: argparse.Namespace, base: dict[str, Any], notes: list[str],
         shutil.rmtree(out_dir)
     # Figure 5's rows are the transformer layers' projections: keep embeddings out of the sketches
     config = build_config({**base, "run_dir": str(out_dir / "run"), "eval_every": 0, "checkpoint_every": 0,
-                           "logra.non_target": "freeze"})
+                           "logra.non_target": "freeze"}, "embedded")
     t0 = time.perf_counter()
     grads, errors, info = record_gradients(config, args.cosine_updates, model, tokenizer, task, args.cosine_loss)
     t_record = time.perf_counter() - t0

@@ -83,30 +83,27 @@ def _sketch_error(optimizer: torch.optim.Optimizer, grads: Mapping[str, torch.Te
     return worst
 
 
-class _RecordingTrainer(RLTrainer):
-    """`RLTrainer` that keeps the dense gradient of every update and checks the sketches against it.
+class _GradientKeeper:
+    """Keeps the dense gradient of every update of an `RLTrainer` and checks its sketches against it.
 
-    `_apply_update` is the trainer's step between the backward passes and the update;
-    the sketches (if LoGRA) still hold this update's ``G Aᵀ`` there.
+    It runs as the trainer's gradient hook, after an update's backward passes: the
+    sketches (if LoGRA) still hold this update's ``G Aᵀ`` there.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.recorder = DenseGradientRecorder(self.model, self.config.logra.target_modules)
+    def __init__(self, trainer: RLTrainer) -> None:
+        self.trainer = trainer
+        self.recorder = DenseGradientRecorder(trainer.model, trainer.config.logra.target_modules)
         self.recorded: list[dict[str, torch.Tensor]] = []
         self.sketch_errors: list[float] = []
+        trainer.add_gradient_hook(lambda _: self.keep())
 
     def keep(self) -> None:
         """Store the gradient recorded since the last call and check the sketches against it."""
         grads = self.recorder.pop()
         self.recorded.append({n: g.cpu() for n, g in grads.items()})
-        err = _sketch_error(self.optimizer, grads)
+        err = _sketch_error(self.trainer.optimizer, grads)
         if err is not None:
             self.sketch_errors.append(err)
-
-    def _apply_update(self, rollout: Any) -> dict[str, Any]:
-        self.keep()
-        return super()._apply_update(rollout)
 
 
 def _sft_batch(tokenizer: Any, pairs: Sequence[tuple[str, str]], device: torch.device) -> dict[str, torch.Tensor]:
@@ -138,7 +135,8 @@ def record_gradients(
     (CPU) of the loss the update was computed from; per update, the largest relative
     difference between the optimizer's sketch and ``G Aᵀ`` (LoGRA only); per-update records.
     """
-    trainer = _RecordingTrainer(config, model=model, tokenizer=tokenizer, task=task, progress=False)
+    trainer = RLTrainer(config, model=model, tokenizer=tokenizer, task=task, progress=False)
+    keeper = _GradientKeeper(trainer)
     records: list[dict[str, Any]] = []
     try:
         if loss == "rl":
@@ -156,7 +154,7 @@ def record_gradients(
                                    trainer.device)
                 value = trainer.model(**batch).loss
                 value.backward()
-                trainer.keep()
+                keeper.keep()
                 trainer.optimizer.step()
                 trainer.optimizer.zero_grad(set_to_none=True)
                 records.append({"loss": float(value.detach())})
@@ -164,8 +162,8 @@ def record_gradients(
         else:
             raise ValueError(f"loss must be 'rl' or 'sft', got {loss!r}")
     finally:
-        trainer.recorder.remove()
-    return trainer.recorded, trainer.sketch_errors, {"records": records, "task": getattr(trainer.task, "name", "?")}
+        keeper.recorder.remove()
+    return keeper.recorded, keeper.sketch_errors, {"records": records, "task": getattr(trainer.task, "name", "?")}
 
 
 def coherence(grads: Sequence[Mapping[str, torch.Tensor]], layers: Mapping[str, Sequence[str]]) -> np.ndarray:

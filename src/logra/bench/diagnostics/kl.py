@@ -41,12 +41,12 @@ def run_kl(args: argparse.Namespace, base: dict[str, Any], notes: list[str],
                       f"KL control over a longer horizon (Fig. 6){tag}", metrics=("pass@1",),
                       extra=(("realized_kl", "realised KL per update", True, 1), ("reward", "train reward", False, 10),
                              ("response_len", "response length (tokens)", False, 10)))
-    cfg = build_config(common)
+    cfg = build_config(common, "embedded")
     print("### KL-control variants over a longer horizon (Figure 6)\n")
     header = protocol_lines(notes, args.passthrough)
     if header:
         print(header)
-    print(f"LoGRA, RLConfig defaults, {args.kl_updates} updates, evaluation every {args.eval_every} updates on "
+    print(f"LoGRA, the embedded recipe, {args.kl_updates} updates, evaluation every {args.eval_every} updates on "
           f"{args.eval_problems} problems; mean ± sample std over {args.seeds} seed(s). Cosine: budget "
           f"{cfg.kl.budget:g} → {cfg.kl.budget_final:g} over the {args.kl_updates} updates; constant: "
           f"{cfg.kl.budget:g} "

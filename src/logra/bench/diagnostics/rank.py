@@ -23,7 +23,7 @@ def run_rank(args: argparse.Namespace, base: dict[str, Any], notes: list[str],
              model_factory: Any = None) -> dict[str, Any]:
     """The rank part (Figure 5a): one run per (rank, seed)."""
     if args.ranks == "auto":
-        ranks = powers_of_two(4, _embedded_min_input(build_config(base)))
+        ranks = powers_of_two(4, _embedded_min_input(build_config(base, "embedded")))
     else:
         ranks = int_list(args.ranks)
     common = {**base, "updates": args.updates, "eval_problems": args.eval_problems, "eval_every": args.eval_every,
@@ -42,7 +42,7 @@ def run_rank(args: argparse.Namespace, base: dict[str, Any], notes: list[str],
     header = protocol_lines(notes, args.passthrough)
     if header:
         print(header)
-    print(f"LoGRA at each rank, otherwise RLConfig defaults; {args.updates} updates, evaluation every "
+    print(f"LoGRA at each rank, otherwise the embedded recipe; {args.updates} updates, evaluation every "
           f"{args.eval_every} updates on {args.eval_problems} problems; mean ± sample std over {args.seeds} seed(s).\n")
     print(variant_table(groups, "rank"))
     print(f"\nplot: {png}\n")

@@ -10,8 +10,7 @@ from transformers import GPT2Config
 
 from conftest import tiny_llama, tiny_qwen2, token_batch
 from logra import DeltaMismatchError, LoGRAConfig, LoGRAOptimizer, apply_delta
-from logra.projection import stable_name
-from logra.vllm_layout import (
+from logra.parallel.vllm import (
     ChecksumMismatchError,
     DeltaGapError,
     FusedLayout,
@@ -23,6 +22,7 @@ from logra.vllm_layout import (
     fuse_state_dict,
     fused_checksum,
 )
+from logra.projection import stable_name
 
 STEPS = 6
 
