@@ -43,7 +43,7 @@ def test_sft_plain_pytorch_example_learns():
 
 def test_gpu_recipe_uses_logra_train_options():
     """Every key of the GPU recipe is a `logra train` option (unknown keys exit), with the paper's values."""
-    from logra.train import build_config, load_config_file
+    from logra.rl.cli import build_config, load_config_file
 
     config = build_config(load_config_file(str(EXAMPLES / "qwen2.5-math-1.5b-gpu.yaml")))
     assert config.model == "Qwen/Qwen2.5-Math-1.5B"

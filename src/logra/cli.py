@@ -13,7 +13,7 @@ from ._optional import require_extra
 from .errors import MissingExtraError
 
 _COMMANDS = {
-    "train": ("logra.train", "RL post-training (the main job; no arguments = the embedded default)"),
+    "train": ("logra.rl.cli", "RL post-training (the main job; no arguments = the embedded default)"),
     "estimate": ("logra.estimate", "memory planner: per-GPU memory of dense Adam, LoRA and LoGRA"),
 }
 #: the extra each command needs beyond the library (`logra._optional`).

@@ -12,7 +12,7 @@ from logra.config import LoGRAConfig
 from logra.rl import KLControlConfig, RLConfig, RLTrainer, advantages, policy_loss
 from logra.rl.tiny import byte_tokenizer
 from logra.tasks import Problem, Task
-from logra.train import main as train_main
+from logra.rl.cli import main as train_main
 
 
 class VowelTask(Task):

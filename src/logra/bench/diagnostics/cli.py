@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from logra.bench.learn import reduced_notes
-from logra.train import build_config
+from logra.rl.cli import build_config
 
 from .common import FULL, KL_VARIANTS, PARTS
 from .cosine import run_cosine

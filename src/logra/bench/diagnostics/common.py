@@ -15,7 +15,7 @@ from typing import Any
 
 from logra.bench.learn import RunResult, format_pm, read_run
 from logra.rl import RLTrainer, recipe_config
-from logra.train import build_config
+from logra.rl.cli import build_config
 
 PARTS: tuple[str, ...] = ("cosine", "rank", "kl")
 KL_VARIANTS: tuple[str, ...] = ("cosine", "constant", "none")

@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from logra.bench.learn import protocol_lines, title_tag  # noqa: E402
 from logra.projection import make_projection, projection_index, projection_seed  # noqa: E402
-from logra.train import build_config  # noqa: E402
+from logra.rl.cli import build_config  # noqa: E402
 
 from .common import int_list, powers_of_two  # noqa: E402
 from .gradients import coherence, record_gradients  # noqa: E402

@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from logra.bench.learn import RunResult, plot_curves, protocol_lines, title_tag
-from logra.train import build_config
+from logra.rl.cli import build_config
 
 from .common import KL_VARIANTS, run_variant, variant_table
 

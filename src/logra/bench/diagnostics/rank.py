@@ -7,7 +7,7 @@ from typing import Any
 
 from logra.bench.learn import RunResult, plot_curves, protocol_lines, title_tag
 from logra.rl import RLConfig
-from logra.train import build_config
+from logra.rl.cli import build_config
 
 from .common import int_list, powers_of_two, run_variant, variant_table
 

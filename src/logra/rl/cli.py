@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from .rl import RECIPES, RLConfig, RLTrainer
-from .rl.config import config_from, flat_fields
+from .config import RECIPES, RLConfig, config_from, flat_fields
+from .trainer import RLTrainer
 
 _RESUMABLE_CHANGES = {"updates", "eval_every", "checkpoint_every", "tensorboard", "threads"}
 
@@ -150,7 +150,9 @@ def _parser() -> argparse.ArgumentParser:
         default = f"{_shown(_coerce_saved(embedded[key]))}"
         if plain[key] != embedded[key]:
             default += f"; without a recipe: {_shown(_coerce_saved(plain[key]))}"
-        kind = str(f.type).split(" ")[0].split("[")[0].upper()
+        kind = str(f.type)
+        choices = re.findall(r"['\"](\w+)['\"]", kind) if kind.startswith("Literal") else []
+        kind = "{" + ",".join(choices) + "}" if choices else kind.split(" ")[0].split("[")[0].upper()
         parser.add_argument(f"--{key}", dest=key, default=argparse.SUPPRESS, metavar=kind,
                             help=f"{docs.get(key, '')} (default: {default})")
     return parser
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         config = build_config(values, None if recipe == "none" else recipe)
     if config.dp > 1:
-        from .parallel import spawn_local
+        from ..parallel import spawn_local
 
         codes = spawn_local(_dp_rank, config.dp, args=(config, bool(args.resume), args.quiet), timeout=7 * 24 * 3600)
         if any(codes):
@@ -205,7 +207,7 @@ def _dp_rank(rank: int, world: int, store: str, config: RLConfig, resume: bool, 
     """One data-parallel rank spawned by ``logra train --dp N``."""
     import torch.distributed as dist
 
-    from .parallel import init_local
+    from ..parallel import init_local
 
     init_local(rank, world, store)
     try:
