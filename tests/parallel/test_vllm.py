@@ -286,17 +286,22 @@ def test_non_target_embeddings_and_dense(mode, tie, tp):
     assert ("lm_head.weight" in receivers[0].params) is (not tie)
     for _ in range(STEPS):
         delta, dense = trainer.step()
-        apply_delta(reference, delta, trainer.config)
-        with torch.no_grad():
-            for n, p in reference.named_parameters():
-                if stable_name(n) in dense:
-                    p.copy_(dense[stable_name(n)])
+        replay(reference, delta, dense, trainer.config)
         for rcv in receivers:
             names = rcv.checked_names(delta, dense)
             assert "model.embed_tokens.weight" in names and any("qkv_proj.bias" in n for n in names)
             rcv.apply(delta, checksum=expected_fused_checksum(hf_state(reference), rcv.layout, names), dense=dense)
     for rcv in receivers:
         assert_fused_equal(dict(rcv.params), reference, rcv.layout)
+
+
+def replay(reference, delta, dense, config) -> None:
+    """What an HF rollout copy does with an update: merge the delta, copy the dense tensors."""
+    apply_delta(reference, delta, config)
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            if stable_name(n) in dense:
+                p.copy_(dense[stable_name(n)])
 
 
 def test_tied_lm_head_in_delta_refused():
@@ -322,12 +327,8 @@ def test_fused_bitwise_cuda(tp, strategy):
                  for lay in layouts(model, tp)]
     for _ in range(STEPS):
         delta, dense = trainer.step()
-        apply_delta(reference, delta, trainer.config)
         dense = {n: t.to("cuda", torch.bfloat16) for n, t in dense.items()}
-        with torch.no_grad():
-            for n, p in reference.named_parameters():
-                if stable_name(n) in dense:
-                    p.copy_(dense[stable_name(n)])
+        replay(reference, delta, dense, trainer.config)
         for rcv in receivers:
             names = rcv.checked_names(delta, dense)
             rcv.apply(delta, checksum=expected_fused_checksum(hf_state(reference), rcv.layout, names), dense=dense)

@@ -12,9 +12,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from logra import cli
 from logra.errors import MissingExtraError
 from logra.rl import RLConfig, build_task, recipe_config
-from logra.rl.tiny import byte_tokenizer
 from logra.rl.cli import _parser, build_config
 from logra.rl.cli import main as train_main
+from logra.rl.tiny import byte_tokenizer
 
 # one short update and a small evaluation: what matters is that each task kind runs
 SHORT = ["--updates", "1", "--prompts_per_update", "2", "--responses_per_prompt", "2", "--eval_problems", "2",

@@ -211,3 +211,24 @@ def test_demonstrations_that_do_not_fit_are_refused():
     long = [("x" * (cfg.max_position_embeddings + 5), " 1")]
     with pytest.raises(ValueError, match="no demonstration fits"):
         warm_start(model, tok, long, cfg, progress=False)
+
+
+def test_warm_start_is_the_same_whatever_the_thread_count():
+    """The warm start is a function of its config: 1 and 2 threads give bitwise the same policy."""
+    demos = _fixed_demos() * 4
+    cfg = _micro_config(hidden_size=64, intermediate_size=128, sft_steps=8, sft_batch_size=32)
+    states = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        model, tok = build_tiny_policy(cfg)
+        warm_start(model, tok, demos, cfg, progress=False)
+        states.append(model.state_dict())
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_cache_key_tracks_library_versions(monkeypatch):
+    import transformers
+
+    key = _micro_config().cache_key("d")
+    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".post1")
+    assert _micro_config().cache_key("d") != key

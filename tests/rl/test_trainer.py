@@ -10,9 +10,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from logra.config import LoGRAConfig
 from logra.rl import KLControlConfig, RLConfig, RLTrainer, advantages, policy_loss
+from logra.rl.cli import main as train_main
 from logra.rl.tiny import byte_tokenizer
 from logra.tasks import Problem, Task
-from logra.rl.cli import main as train_main
 
 
 class VowelTask(Task):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 from pathlib import Path
@@ -32,8 +33,11 @@ def load_policy(config: RLConfig, task: Task, progress: bool = True) -> tuple[nn
             problems = task.problems("train", tiny.num_demonstrations, seed=tiny.seed + 1)
             return [(p.prompt, task.reference_response(p)) for p in problems]
 
-        # the demonstrations are a function of the task options: they key the cache too
-        data_key = json.dumps({k: getattr(config, k) for k in TASK_OPTIONS}, sort_keys=True)
+        # the demonstrations are a function of the task options and of the generator's
+        # version: both key the cache, so a warm start is reused only where it is the same
+        data = {k: getattr(config, k) for k in TASK_OPTIONS}
+        data["reasoning_gym"] = _version("reasoning_gym")
+        data_key = json.dumps(data, sort_keys=True)
         return load_or_warm_start(tiny, Path(config.cache_dir).expanduser(), demonstrations, data_key,
                                   progress=progress)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -46,6 +50,13 @@ def load_policy(config: RLConfig, task: Task, progress: bool = True) -> tuple[nn
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer, {"source": config.model}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def build_optimizer(

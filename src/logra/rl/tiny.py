@@ -156,8 +156,9 @@ class TinyPolicyConfig:
         payload = {
             "config": self.to_dict(),
             "data": data_key,
-            "torch": torch.__version__.split(".")[0],
-            "transformers": transformers.__version__.split(".")[0],
+            # full versions: a patch release may change kernels or initialisation
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
             "format": _CACHE_FORMAT_VERSION,
         }
         blob = json.dumps(payload, sort_keys=True, default=str).encode()
@@ -285,15 +286,7 @@ def warm_start(
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    # One thread: a multi-threaded matmul sums in an order that depends on the thread count,
-    # and 300 steps amplify the last-bit differences into a different policy. Pinned, the warm
-    # start is a function of the config alone (the cache key), on any machine of one CPU kind.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        losses, seconds = _sft_loop(model, tokenizer, seqs, starts, opt, sched, params, config, progress)
-    finally:
-        torch.set_num_threads(threads)
+    losses, seconds = _sft_loop(model, tokenizer, seqs, starts, opt, sched, params, config, progress)
     model.eval()
     tail = losses[-max(1, len(losses) // 20) :]
     return {

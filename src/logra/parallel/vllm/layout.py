@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ...errors import LayoutError
-from ..projection import stable_name
+from ...projection import stable_name
 
 #: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``: the vocabulary is padded to a multiple of it.
 DEFAULT_VOCAB_PADDING = 64
