@@ -62,8 +62,13 @@ def _probe_mode(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def _hidden_and_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-    """Final hidden states and the output head, so logits can be formed chunk by chunk."""
+def hidden_and_head(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, nn.Module]:
+    """Final hidden states and the output head, so logits can be formed chunk by chunk.
+
+    A model without a separate decoder and head gives its logits and an identity head.
+    """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     base = model.get_decoder() if hasattr(model, "get_decoder") else None
     if head is None or base is None or base is model:
@@ -110,7 +115,7 @@ def predicted_kl(
     with _probe_mode(model), torch.no_grad(), fwAD.dual_level():
         eps = fwAD.make_dual(torch.zeros((), device=device), torch.ones((), device=device))
         with proposal.perturbed(eps):
-            hidden, head = _hidden_and_head(model, ids, mask)
+            hidden, head = hidden_and_head(model, ids, mask)
             selected = hidden[positions]
             for start in range(0, selected.shape[0], chunk):
                 primal, tangent = fwAD.unpack_dual(head(selected[start: start + chunk]))
@@ -139,7 +144,7 @@ def probe_logits(
     positions = _probe_positions(response_mask, max_tokens)
     ids, mask, positions = _trim(input_ids, attention_mask, positions)
     with _probe_mode(model):
-        hidden, head = _hidden_and_head(model, ids, mask)
+        hidden, head = hidden_and_head(model, ids, mask)
         return head(hidden[positions]).float()
 
 

@@ -228,3 +228,33 @@ def test_rollouts_on_workers_with_verified_deltas(tmp_path):
     assert set(sync["workers"].values()) == {sync["trainer"]}
     with pytest.raises(ValueError, match="rollout_workers"):
         RLConfig(rollout_workers=1, optimizer="adamw")
+
+
+@pytest.mark.parametrize("non_target", ["freeze", "sketch"])
+def test_chunked_logprobs_equal_full_logits_and_give_the_same_sketches(non_target):
+    """Log-probs through the head chunk by chunk (checkpointed) = log-softmax of the full logits,
+    and the sketches their backward fills equal those of the full-logits loss."""
+    from logra import LoGRAOptimizer
+    from logra.rl.rollout import token_logprobs
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, 200, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[0, -4:] = 0
+    sketches = []
+    for chunk in (None, 7):
+        model, _ = _policy()
+        opt = LoGRAOptimizer(model, LoGRAConfig(rank=8, non_target=non_target))
+        if chunk is None:  # the reference: full logits, log-softmax, gather
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            ref = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            logp = torch.nn.functional.pad(ref, (1, 0))
+        else:
+            logp = token_logprobs(model, ids, mask, temperature=0.7, chunk=chunk)
+            torch.testing.assert_close(logp, reference, rtol=1e-5, atol=1e-6)
+        reference = logp.detach()
+        (logp * mask).sum().backward()
+        sketches.append({n: s.clone() for n, s in opt.sketches().items()})
+    assert sketches[0].keys() == sketches[1].keys()
+    for name, full in sketches[0].items():  # equal up to float rounding: relative Frobenius error
+        assert float(torch.linalg.vector_norm(sketches[1][name] - full)) <= 1e-5 * float(torch.linalg.vector_norm(full))

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..kl import hidden_and_head
 
 
 @dataclass
@@ -49,13 +52,33 @@ class Rollout:
 
 
 def token_logprobs(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+    chunk: int = 1024,
 ) -> torch.Tensor:
-    """``[B, L]`` log π(token_t | tokens_<t) at ``temperature`` (position 0 gets 0)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    """``[B, L]`` log π(token_t | tokens_<t) at ``temperature`` (position 0 gets 0).
+
+    The output head runs ``chunk`` positions at a time under activation checkpointing,
+    so neither the forward nor the backward pass holds more than one chunk's
+    ``[chunk, vocab]`` logits: at a 152k vocabulary and 16k response tokens the full fp32
+    logits and their log-softmax would take about 20 GB.
+    """
+    hidden, head = hidden_and_head(model, input_ids, attention_mask)
+    states = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    targets = input_ids[:, 1:].reshape(-1)
+    pieces = []
+    for start in range(0, states.shape[0], chunk):
+        args = (states[start: start + chunk], targets[start: start + chunk], head, temperature)
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(*args))
+    picked = torch.cat(pieces).view(input_ids.shape[0], -1)
     return torch.nn.functional.pad(picked, (1, 0))
+
+
+def _chunk_logprobs(states: torch.Tensor, targets: torch.Tensor, head: nn.Module, temperature: float) -> torch.Tensor:
+    logp = torch.log_softmax(head(states).float() / temperature, dim=-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1)
 
 
 @torch.no_grad()
