@@ -241,7 +241,7 @@ def test_chunked_logprobs_equal_full_logits_and_give_the_same_sketches(non_targe
     ids = torch.randint(3, 200, (3, 11))
     mask = torch.ones_like(ids)
     mask[0, -4:] = 0
-    sketches = []
+    sketches, reference = [], None
     for chunk in (None, 7):
         model, _ = _policy()
         opt = LoGRAOptimizer(model, LoGRAConfig(rank=8, non_target=non_target))
