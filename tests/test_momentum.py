@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import tiny_qwen2, token_batch
-from test_distributed import PRELOAD, _assert_close, _dp_train, _reference, _state
+from test_distributed import PRELOAD, _assert_close, _dp_train, _reference
 
 from logra import LoGRAConfig, LoGRAOptimizer, PolicyDelta, apply_delta
 from logra.distributed import init_local, spawn_local
@@ -29,7 +29,7 @@ def _train(model, opt, steps, seed0=0):
 
 
 def _momentum_config(**kw) -> LoGRAConfig:
-    base = dict(rank=4, beta1=0.9, refresh_every=2, non_target="sketch", non_target_lr=1e-3)
+    base = {"rank": 4, "beta1": 0.9, "refresh_every": 2, "non_target": "sketch", "non_target_lr": 1e-3}
     return LoGRAConfig(**{**base, **kw})
 
 

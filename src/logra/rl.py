@@ -102,6 +102,7 @@ class RLConfig:
         baseline_decay: REINFORCE running-baseline EMA decay.
         ref_kl_coef: weight of a KL penalty to the initial policy (0 = off, as in the paper).
         lr: learning rate of the adamw / lora baselines (cosine schedule).
+        adam_beta1: first-moment decay of the adamw / lora baselines' Adam (0 = no momentum).
         lora_rank: LoRA rank (0 = logra.rank).
         logra: LoGRA optimizer settings.
         kl: predicted-KL control settings.
@@ -145,6 +146,7 @@ class RLConfig:
     baseline_decay: float = 0.9
     ref_kl_coef: float = 0.0
     lr: float = 1e-4
+    adam_beta1: float = 0.9
     lora_rank: int = 0
     logra: LoGRAConfig = field(default_factory=lambda: LoGRAConfig(
         rank=48, update_ratio=3e-3, non_target="sketch", non_target_lr=1e-4))
@@ -421,7 +423,7 @@ class RLTrainer:
         if cfg.optimizer == "logra":
             self.optimizer = LoGRAOptimizer(self.model, cfg.logra)
         elif cfg.optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, 0.95), weight_decay=0.0)
         else:
             from peft import LoraConfig, get_peft_model
 
@@ -429,7 +431,7 @@ class RLTrainer:
             lora = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(cfg.logra.target_modules), lora_dropout=0.0)
             self.model = get_peft_model(self.model, lora)
             self.optimizer = torch.optim.AdamW(
-                [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+                [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=(cfg.adam_beta1, 0.95), weight_decay=0.0)
         if cfg.optimizer != "logra":
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _cosine_lambda(cfg.updates))
 
