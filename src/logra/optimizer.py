@@ -394,3 +394,89 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def remove(self) -> None:
         """Uninstall the sketches: target weights get their normal forward and gradients back."""
         self._sketches.remove()
+
+
+class DenseRowAdam(torch.optim.Optimizer):
+    """LoGRA's update rule on the exact dense gradient: a diagnostic baseline, no projection.
+
+    For every weight LoGRA would sketch (same ``target_modules``; lm_head and input
+    embeddings too with ``non_target='sketch'``): RowAdam's per-row second moment, the
+    direction renormalised to the layer's gradient norm, and one global update ratio
+    ``‖ΔW‖_F = update_ratio·‖W‖_F`` over all of them (``config.trust_ratio`` as in
+    `LoGRAOptimizer`). With ``config.beta1`` > 0 an element-wise first moment (dense, the
+    size of the weights) is the numerator, as in Adam. Every other trainable parameter
+    gets AdamW (betas 0.9/0.95) at ``non_target_lr`` (frozen with ``'freeze'``). It
+    isolates the projection: with the same settings `LoGRAOptimizer` differs from it only
+    by ``G → S A``. Uses ``update_ratio`` mode only.
+    """
+
+    def __init__(self, model: nn.Module, config: LoGRAConfig) -> None:
+        from .sketch import find_targets
+
+        if config.update_ratio is None:
+            raise ValueError("DenseRowAdam needs LoGRAConfig.update_ratio")
+        self.config = config
+        groups = find_targets(model, config.target_modules, config.non_target == "sketch")
+        targets = []
+        for modules in groups.values():
+            w = modules[0][1].weight
+            if all(w is not t for t in targets):
+                targets.append(w)
+        ids = {id(w) for w in targets}
+        rest = [p for p in model.parameters() if id(p) not in ids and p.requires_grad]
+        if config.non_target == "freeze":
+            for p in rest:
+                p.requires_grad_(False)
+            rest = []
+        param_groups = [{"params": targets, "name": "row_adam"}]
+        if rest:
+            param_groups.append({"params": rest, "name": "non_target_adamw"})
+        super().__init__(param_groups, {"lr": config.non_target_lr})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        cfg = self.config
+        targets = [p for p in self.param_groups[0]["params"] if p.grad is not None]
+        directions = []
+        for p in targets:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros(())
+                state["row_v"] = torch.zeros(p.shape[0], 1, dtype=torch.float32, device=p.device)
+                if cfg.beta1 > 0:
+                    state["m"] = torch.zeros_like(p, dtype=torch.float32)
+            state["step"] += 1
+            t = int(state["step"])
+            g = p.grad.float()
+            m = None
+            if cfg.beta1 > 0:
+                state["m"].mul_(cfg.beta1).add_(g, alpha=1 - cfg.beta1)
+                m = state["m"] / (1 - cfg.beta1**t)
+            d, state["row_v"] = row_adam_direction(g, state["row_v"], t, cfg.beta2, cfg.eps, m)
+            directions.append(d)
+        sq = [float(d.square().sum()) for d in directions]
+        if cfg.trust_ratio == "layer":
+            scales = [cfg.update_ratio * float(torch.linalg.vector_norm(p.float())) / math.sqrt(s) if s > 0 else 0.0
+                      for p, s in zip(targets, sq)]
+        else:
+            w = math.sqrt(sum(float(torch.linalg.vector_norm(p.float())) ** 2 for p in targets))
+            total = math.sqrt(sum(sq))
+            scales = [cfg.update_ratio * w / total if total > 0 else 0.0] * len(targets)
+        for p, d, s in zip(targets, directions, scales):
+            p.sub_((d * s).to(p.dtype))
+        for group in self.param_groups[1:]:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros(())
+                    state["m"] = torch.zeros_like(p)
+                    state["v"] = torch.zeros_like(p)
+                state["step"] += 1
+                t = int(state["step"])
+                state["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+                state["v"].mul_(0.95).addcmul_(p.grad, p.grad, value=0.05)
+                denom = (state["v"] / (1 - 0.95**t)).sqrt_().add_(1e-8)
+                p.addcdiv_(state["m"], denom, value=-group["lr"] / (1 - 0.9**t))
+        return None

@@ -87,7 +87,8 @@ class RLConfig:
         partial_credit: keep reasoning-gym's partial rewards (else 1 for full credit, 0 otherwise).
         eval_fraction: share of the task's distinct questions held out for evaluation
             (split by a hash of the question text: never trained on, never in the warm start).
-        optimizer: 'logra', 'adamw' (dense Adam baseline) or 'lora' (peft).
+        optimizer: 'logra', 'adamw' (dense Adam baseline), 'lora' (peft) or 'dense_row_adam'
+            (diagnostic: LoGRA's update rule and ``logra`` settings on the exact dense gradient).
         algorithm: 'grpo' (group-normalised advantages, clipped ratio) or 'reinforce'
             (running baseline, truncated importance sampling).
         updates: number of optimizer updates.
@@ -167,7 +168,7 @@ class RLConfig:
     rollout_workers: int = 0
 
     def __post_init__(self) -> None:
-        choices = {"optimizer": ("logra", "adamw", "lora"), "algorithm": ("grpo", "reinforce"),
+        choices = {"optimizer": ("logra", "adamw", "lora", "dense_row_adam"), "algorithm": ("grpo", "reinforce"),
                    "extract": ("answer", "boxed", "last_line", "full", "tag")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -422,6 +423,10 @@ class RLTrainer:
         self.scheduler = None
         if cfg.optimizer == "logra":
             self.optimizer = LoGRAOptimizer(self.model, cfg.logra)
+        elif cfg.optimizer == "dense_row_adam":  # diagnostic: LoGRA's rule on the exact gradient
+            from .optimizer import DenseRowAdam
+
+            self.optimizer = DenseRowAdam(self.model, cfg.logra)
         elif cfg.optimizer == "adamw":
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, 0.95), weight_decay=0.0)
         else:
@@ -432,7 +437,7 @@ class RLTrainer:
             self.model = get_peft_model(self.model, lora)
             self.optimizer = torch.optim.AdamW(
                 [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=(cfg.adam_beta1, 0.95), weight_decay=0.0)
-        if cfg.optimizer != "logra":
+        if cfg.optimizer not in ("logra", "dense_row_adam"):
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _cosine_lambda(cfg.updates))
 
     # ------------------------------------------------------------- data
