@@ -29,7 +29,7 @@ def test_dense_row_adam_is_logra_with_identity_projection(extra):
             opt.zero_grad()
     moved = 0
     for (n, wa), wb in zip(a.state_dict().items(), b.state_dict().values()):
-        torch.testing.assert_close(wa, wb, rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(wa, wb, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
         moved += not torch.equal(wa, tiny_qwen2().state_dict()[n])
     assert moved >= 12
 
