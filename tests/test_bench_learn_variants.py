@@ -63,3 +63,26 @@ def test_variant_rows_run_their_flags(tmp_path, monkeypatch, capsys):
     assert len(mom) == 2 and mom[0][:6] == ["--seed", "0", "--logra.beta1", "0.9", "--logra.refresh_every", "10"]
     out = capsys.readouterr().out
     assert "| mom | 0,1 |" in out and "+2.0 ± 0.0" in out
+
+
+def test_report_only_runs_nothing_and_skips_missing(tmp_path, monkeypatch, capsys):
+    def no_train(*a, **k):
+        raise AssertionError("--report-only must not run anything")
+
+    monkeypatch.setattr(learn, "run_train", no_train)
+    monkeypatch.setattr(learn, "plot_curves", lambda *a, **k: tmp_path / "x.png")
+    common = ["--updates", "3", "--eval_problems", "500", "--eval_every", "3", "--checkpoint_every", "0",
+              "--threads", "1"]
+    for seed in (0, 1):
+        _fake_run(tmp_path / f"logra-s{seed}", 0.3, 0.33)
+        (tmp_path / f"logra-s{seed}" / "bench_args.json").write_text(json.dumps(
+            {"args": learn._train_args("logra", seed, "0.0001", common)}))
+    _fake_run(tmp_path / "mom-s0", 0.3, 0.36)
+    (tmp_path / "mom-s0" / "bench_args.json").write_text(json.dumps(
+        {"args": ["--seed", "0", "--logra.beta1", "0.9", *common]}))
+    code = learn.main(["--methods", "logra,adamw", "--variant", "mom=--logra.beta1 0.9", "--seeds", "3",
+                       "--updates", "3", "--eval-every", "3", "--out-dir", str(tmp_path), "--report-only"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| LoGRA | 0,1 |" in out and "| mom | 0 |" in out and "+3.0 ± 1.4 (n=1)" not in out
+    assert "+3.0 ±" in out  # mom vs LoGRA on seed 0

@@ -472,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per run (the CPUs are shared)")
     p.add_argument("--out-dir", type=Path, default=Path("runs/bench-learn"), help="where the run directories go")
     p.add_argument("--reuse", action="store_true", help="keep finished runs with identical arguments")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: tabulate the finished runs found under --out-dir (any seeds missing are left "
+                   "out of their row and the row shows its seeds)")
     p.add_argument("--out", type=Path, default=None, help="also write the per-run figures as JSON")
     return p
 
@@ -492,6 +495,11 @@ def _train_args(method: str, seed: int, lr: str, common: Sequence[str]) -> list[
     """`logra train` arguments of one (method, seed) run (LoGRA's step size is its update ratio)."""
     extra = [] if method == "logra" else ["--lr", lr]
     return ["--optimizer", method, "--seed", str(seed), *extra, *common]
+
+
+def _finished(run_dir: Path, args: Sequence[str]) -> bool:
+    """A finished run started with exactly ``args`` (what `run_train` with ``reuse`` keeps)."""
+    return _finished_with(Path(run_dir), {"args": list(args)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -519,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sweep_rows: list[tuple[float, RunResult]] = []
     lr = args.lr
+    if sweep and args.report_only:
+        parser.error("--report-only does not take --lr-sweep")
     if sweep:
         for value in sweep:
             run_dir = args.out_dir / "lr-sweep" / f"adamw-lr{_lr_text(value)}-s0"
@@ -536,16 +546,28 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(next(r for value, r in sweep_rows if value == lr))
                 continue
             run_dir = args.out_dir / f"{method}-s{seed}"
-            run_train(run_dir, _train_args(method, seed, lrs[method], common), args.reuse)
+            train_args = _train_args(method, seed, lrs[method], common)
+            if args.report_only and not _finished(run_dir, train_args):
+                continue
+            if not args.report_only:
+                run_train(run_dir, train_args, args.reuse)
             runs.append(read_run(run_dir, method, seed))
-        groups[_LABELS[method]] = runs
+        if runs:
+            groups[_LABELS[method]] = runs
     for name, flags in variants.items():
         runs = []
         for seed in range(args.seeds):
             run_dir = args.out_dir / f"{name}-s{seed}"
-            run_train(run_dir, ["--seed", str(seed), *flags, *common], args.reuse)
+            train_args = ["--seed", str(seed), *flags, *common]
+            if args.report_only and not _finished(run_dir, train_args):
+                continue
+            if not args.report_only:
+                run_train(run_dir, train_args, args.reuse)
             runs.append(read_run(run_dir, name, seed))
-        groups[name] = runs
+        if runs:
+            groups[name] = runs
+    if not groups:
+        parser.error("no finished runs to report")
     reference = args.reference or ("LoGRA" if "LoGRA" in groups else next(iter(groups)))
 
     values = {"seeds": args.seeds, "updates": args.updates, "eval_problems": args.eval_problems,
@@ -590,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
           f"difference vs {reference} ± SE of the per-seed differences:\n")
     print(format_paired_table(paired, reference))
     print()
-    if "logra" in methods and "adamw" in methods:
+    if _LABELS["logra"] in groups and _LABELS["adamw"] in groups:
         print(verdict(groups[_LABELS["logra"]], groups[_LABELS["adamw"]])[1])
     else:
         print("(verdict not evaluated: needs both logra and adamw)")
