@@ -9,11 +9,16 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_qwen2, token_batch
 
+from conftest import tiny_qwen2, token_batch
 from logra import (
-    DeltaMismatchError, LoGRAConfig, LoGRAOptimizer, NonFiniteSketchError, PolicyDelta,
-    StaleProposalError, apply_delta,
+    DeltaMismatchError,
+    LoGRAConfig,
+    LoGRAOptimizer,
+    NonFiniteSketchError,
+    PolicyDelta,
+    StaleProposalError,
+    apply_delta,
 )
 from logra.projection import make_projection, projection_seed
 
@@ -167,7 +172,7 @@ def test_resume_is_bitwise(tmp_path):
     opt2 = LoGRAOptimizer(fresh, cfg)
     opt2.load_state_dict(state["opt"])
     _train(fresh, opt2, 2, seed0=3)
-    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
 
 
@@ -185,7 +190,7 @@ def test_apply_delta_reproduces_trainer_bitwise(non_target):
             with torch.no_grad():
                 for n in dense:
                     receiver.get_parameter(n).copy_(trainer.get_parameter(n))
-    for (n, a), b in zip(trainer.state_dict().items(), receiver.state_dict().values()):
+    for (n, a), b in zip(trainer.state_dict().items(), receiver.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
     assert delta.nbytes == sum(p.shape[0] * 8 * 2 for n, p in trainer.named_parameters() if n in opt.targets)
 
@@ -203,7 +208,8 @@ def test_apply_delta_refuses_bad_deltas():
     with pytest.raises(DeltaMismatchError, match="seed"):
         apply_delta(receiver, d0, LoGRAConfig(rank=8, seed=1))
     with pytest.raises(DeltaMismatchError, match="not in this model"):
-        apply_delta(tiny_qwen2(layers=1), PolicyDelta.from_bytes(d1.to_bytes()).__class__(**{**d0.__dict__, "factors": {"x.weight": d0.factors[opt.targets[0]]}}), cfg)
+        foreign = PolicyDelta(**{**d0.__dict__, "factors": {"x.weight": d0.factors[opt.targets[0]]}})
+        apply_delta(tiny_qwen2(layers=1), foreign, cfg)
     wide = tiny_qwen2(hidden=48)
     with pytest.raises(DeltaMismatchError, match="factor"):
         apply_delta(wide, d0, cfg)

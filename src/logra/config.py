@@ -19,6 +19,9 @@ _CHOICES = {
     "optimizer": ("row_adam", "sgd"),
     "non_target": ("freeze", "adamw", "sketch"),
     "factor_dtype": tuple(_FACTOR_DTYPES),
+    "momentum_refresh": ("transfer", "reset"),
+    "second_moment": ("sketch", "momentum"),
+    "trust_ratio": ("global", "layer"),
 }
 
 #: Fields that decide the projections and the delta format. A rollout worker or a
@@ -56,6 +59,19 @@ class LoGRAConfig:
         factor_dtype: dtype of the update factor ``U`` that trainer and rollout share.
         max_grad_norm: clip the global norm of the sketched gradient ``‖S A‖_F`` (and of
             dense non-target gradients) to this value; ``None`` disables clipping.
+        beta1: first-moment decay (not in the paper; 0 = the paper's update, bitwise). A
+            momentum ``M ← β1·M + (1-β1)·S`` is kept per target in sketch space (``[out, r]``,
+            one buffer shaped like the sketch buffer) and fed to RowAdam in place of the
+            sketch, bias-corrected as in Adam. Use it with ``refresh_every`` > 1.
+        momentum_refresh: what happens to the momentum when the projections are redrawn:
+            ``'transfer'`` carries it into the new projection, ``M ← M·(A_old A_newᵀ)``
+            (the sketch under ``A_new`` of its reconstruction ``M A_old``); ``'reset'``
+            zeroes it (and restarts its bias correction).
+        second_moment: what RowAdam's row second moment is computed from when ``beta1`` > 0:
+            ``'sketch'`` (the raw sketch of this update, as Adam does) or ``'momentum'``.
+        trust_ratio: ``'global'`` (paper: one ‖ΔW‖/‖W‖ = ``update_ratio`` over all targets
+            together) or ``'layer'`` (each target's ‖ΔW_l‖ = ``update_ratio``·‖W_l‖, LARS/LAMB
+            style). Only in ``update_ratio`` mode.
     """
 
     rank: int = 256
@@ -74,6 +90,10 @@ class LoGRAConfig:
     non_target_lr: float = 1e-5
     factor_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     max_grad_norm: float | None = None
+    beta1: float = 0.0
+    momentum_refresh: Literal["transfer", "reset"] = "transfer"
+    second_moment: Literal["sketch", "momentum"] = "sketch"
+    trust_ratio: Literal["global", "layer"] = "global"
 
     def __post_init__(self) -> None:
         self.target_modules = tuple(self.target_modules)
@@ -87,6 +107,8 @@ class LoGRAConfig:
             raise ValueError(f"LoGRAConfig.refresh_every must be >= 1, got {self.refresh_every}")
         if not 0.0 <= self.beta2 < 1.0:
             raise ValueError(f"LoGRAConfig.beta2 must be in [0, 1), got {self.beta2}")
+        if not 0.0 <= self.beta1 < 1.0:
+            raise ValueError(f"LoGRAConfig.beta1 must be in [0, 1), got {self.beta1}")
         if self.update_ratio is not None and self.update_ratio <= 0:
             raise ValueError(f"LoGRAConfig.update_ratio must be > 0 or None, got {self.update_ratio}")
         if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0:

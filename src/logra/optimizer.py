@@ -31,19 +31,22 @@ _owner_ids = itertools.count()
 
 
 def row_adam_direction(
-    s: torch.Tensor, v: torch.Tensor, t: int, beta2: float, eps: float
+    s: torch.Tensor, v: torch.Tensor, t: int, beta2: float, eps: float, m: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One RowAdam step on a sketch: returns ``(D, v_new)`` and changes nothing.
 
     ``s`` is ``[out, r]`` (already divided by the token count), ``v`` the per-row second
     moment ``[out, 1]``, ``t`` the 1-based step. ``D`` has the Frobenius norm of ``s``.
+    With ``m`` (a bias-corrected first moment, same shape), the second moment is still
+    updated from ``s`` but ``m`` is the numerator and ``D`` has the norm of ``m``.
     """
     v_new = v * beta2 + (1.0 - beta2) * s.square().mean(dim=1, keepdim=True)
     rms = (v_new / (1.0 - beta2**t)).sqrt()
     den = rms + torch.clamp(eps * rms.mean(), min=_TINY)
+    x = s if m is None else m
     # Scale by min(den)/den rather than 1/den: no overflow for rows with tiny RMS.
-    d = s * (den.min() / den)
-    s_norm, d_norm = torch.linalg.vector_norm(s), torch.linalg.vector_norm(d)
+    d = x * (den.min() / den)
+    s_norm, d_norm = torch.linalg.vector_norm(x), torch.linalg.vector_norm(d)
     if d_norm > 0:
         d = d * (s_norm / d_norm)
     return d, v_new
@@ -74,6 +77,7 @@ class Proposal:
     _owner: LoGRAOptimizer = field(repr=False)
     _second_moments: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
     _clip: float = field(repr=False, default=1.0)
+    _momentum: torch.Tensor | None = field(repr=False, default=None)
 
     def perturbed(self, eps: torch.Tensor) -> AbstractContextManager[None]:
         """Within the block the model computes at ``θ + ε·Δ`` (a dual ``ε`` gives the tangent)."""
@@ -110,7 +114,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         group = {
             "params": [t.weight for t in targets.values()], "name": "logra", "lr": config.lr,
             "update_ratio": config.update_ratio, "weight_decay": config.weight_decay,
-            "beta2": config.beta2, "eps": config.eps,
+            "beta2": config.beta2, "eps": config.eps, "beta1": config.beta1,
         }
         super().__init__([group], {})
         target_ids = {id(t.weight) for t in targets.values()}
@@ -128,6 +132,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._second_moments = {
             n: torch.zeros(t.out_features, 1, dtype=torch.float32, device=t.weight.device) for n, t in targets.items()
         }
+        # First moment (beta1 > 0): one [Σ out, r] buffer laid out like the sketch buffer.
+        self._momentum: torch.Tensor | None = None
+        self._momentum_steps = 0  # updates folded into the momentum since it was last zeroed
+        if config.beta1 > 0:
+            self._momentum = torch.zeros_like(self._sketches.buffer)
         self._projection_index: int | None = None
         self._refresh_projections()
 
@@ -162,9 +171,23 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """
         targets = self._sketches.targets.values()
         state = list(self._second_moments.values()) + [t.projection for t in targets]
+        if self._momentum is not None:
+            state.append(self._momentum)
         if self._dense is not None:
             state += [v for s in self._dense.state.values() for v in s.values() if torch.is_tensor(v)]
         return {"gradients": [self._sketches.buffer], "optimizer": state}
+
+    def momenta(self) -> dict[str, torch.Tensor]:
+        """Per target, its first moment ``[out, r]`` (views; empty without ``beta1``)."""
+        return self._views(self._momentum) if self._momentum is not None else {}
+
+    def _views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per target, the rows of a ``[Σ out, r]`` buffer laid out like the sketch buffer."""
+        out, offset = {}, 0
+        for name, target in self._sketches.targets.items():
+            out[name] = buffer[offset: offset + target.out_features]
+            offset += target.out_features
+        return out
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Non-target parameters trained by the internal AdamW (empty with 'freeze')."""
@@ -199,27 +222,48 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             clip = self.config.max_grad_norm / (sketch_norm + 1e-6)
         directions, moments = {}, {}
         t_next = self._step + 1
+        momentum, momenta = None, {}
+        if self._momentum is not None:
+            beta1 = group["beta1"]
+            momentum = self._momentum * beta1 + (buffer * clip if clip != 1.0 else buffer) * (1.0 - beta1)
+            correction = 1.0 - beta1 ** (self._momentum_steps + 1)
+            momenta = {n: m / correction for n, m in self._views(momentum).items()}
         for name, target in targets.items():
             s = target.sketch * clip if clip != 1.0 else target.sketch
+            m = momenta.get(name)
             if self.config.optimizer == "row_adam":
+                v_in = m if (m is not None and self.config.second_moment == "momentum") else s
                 directions[name], moments[name] = row_adam_direction(
-                    s, self._second_moments[name], t_next, group["beta2"], group["eps"])
+                    v_in, self._second_moments[name], t_next, group["beta2"], group["eps"], m)
             else:
-                directions[name] = s.clone()
-        update_sq = float(sum(_sketch_update_sq_norm(directions[n], grams[n]) for n in targets))
+                directions[name] = (s if m is None else m).clone()
+        layer_sq = {n: _sketch_update_sq_norm(directions[n], grams[n]) for n in targets}
+        update_sq = float(sum(layer_sq.values()))
         decay = 0.0
-        if group["update_ratio"] is not None:
+        if group["update_ratio"] is not None and self.config.trust_ratio == "layer":
+            # each target's ‖ΔW_l‖_F = update_ratio · ‖W_l‖_F
+            update_sq = 0.0
+            for name, target in targets.items():
+                sq_l = float(layer_sq[name])
+                w_l = float(torch.linalg.vector_norm(target.weight, dtype=torch.float32))
+                scale_l = group["update_ratio"] * w_l / math.sqrt(sq_l) if sq_l > 0 else 0.0
+                directions[name].mul_(scale_l)
+                update_sq += scale_l * scale_l * sq_l
+            scale = 1.0
+        elif group["update_ratio"] is not None:
             weight_norm = float(torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(t.weight, dtype=torch.float32) for t in targets.values()])))
             scale = group["update_ratio"] * weight_norm / math.sqrt(update_sq) if update_sq > 0 else 0.0
         else:
             scale = group["lr"]
             decay = group["lr"] * group["weight_decay"]
-        for d in directions.values():
-            d.mul_(scale)
+        if scale != 1.0 or self.config.trust_ratio != "layer":
+            for d in directions.values():
+                d.mul_(scale)
         return Proposal(
             step=self._step, directions=directions, decay=decay, sketch_norm=sketch_norm,
             update_norm=scale * math.sqrt(update_sq), _owner=self, _second_moments=moments, _clip=clip,
+            _momentum=momentum,
         )
 
     @torch.no_grad()
@@ -249,6 +293,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             merge_update(target.weight, u, target.projection, decay)
             factors[name] = u
         self._second_moments.update(proposal._second_moments)
+        if self._momentum is not None:
+            self._momentum.copy_(proposal._momentum)
+            self._momentum_steps += 1
         if self._dense is not None:
             group = self._dense.param_groups[0]
             lr = group["lr"]
@@ -267,7 +314,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         )
         self._step += 1
         set_policy_step(self.model, self._step)
-        self._refresh_projections()
+        self._refresh_projections(carry_momentum=True)
         self._sketches.zero_()
         return delta
 
@@ -281,14 +328,26 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return loss
 
     # ------------------------------------------------------------------ state
-    def _refresh_projections(self) -> None:
+    def _refresh_projections(self, carry_momentum: bool = False) -> None:
+        """Install the projections in force now; with ``carry_momentum``, move the first
+        moment into the new projections (``M ← M·(A_old A_newᵀ)``) or zero it."""
         index = projection_index(self._step, self.config.refresh, self.config.refresh_every)
         if index == self._projection_index:
             return
         cfg = self.config
+        momenta = self.momenta() if carry_momentum else {}
+        if momenta and cfg.momentum_refresh == "reset":
+            self._momentum.zero_()
+            self._momentum_steps = 0
+            momenta = {}
         for name, target in self._sketches.targets.items():
             seed = projection_seed(cfg.seed, index, name)
-            target.projection = make_projection(cfg.rank, target.in_features, seed, cfg.distribution, target.weight.device)
+            old = target.projection
+            target.projection = make_projection(cfg.rank, target.in_features, seed, cfg.distribution,
+                                                target.weight.device)
+            if name in momenta:
+                m = momenta[name]
+                m.copy_(m @ (old @ target.projection.T))
         self._projection_index = index
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -302,6 +361,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "sync": self.config.sync_fields(),
             "hyper": hyper,
             "second_moments": {n: v.clone() for n, v in self._second_moments.items()},
+            "momentum": self._momentum.clone() if self._momentum is not None else None,
+            "momentum_steps": self._momentum_steps,
             "non_target": self._dense.state_dict() if self._dense is not None else None,
         }
 
@@ -309,14 +370,21 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """Restore a `state_dict`; the sync fields and targets must match this optimizer."""
         for key, value in self.config.sync_fields().items():
             if state_dict["sync"].get(key) != value:
-                raise ValueError(f"optimizer state was saved with {key}={state_dict['sync'].get(key)!r}, config has {value!r}")
+                raise ValueError(
+                    f"optimizer state was saved with {key}={state_dict['sync'].get(key)!r}, config has {value!r}")
         names = set(state_dict["second_moments"])
         if names != set(self._second_moments):
             raise ValueError(f"optimizer state targets differ: {sorted(names ^ set(self._second_moments))[:3]}")
         if (state_dict["non_target"] is None) != (self._dense is None):
             raise ValueError("optimizer state and this optimizer disagree on non-target training")
+        momentum = state_dict.get("momentum")
+        if (momentum is None) != (self._momentum is None):
+            raise ValueError("optimizer state and this optimizer disagree on the first moment (beta1 > 0)")
         for name, v in state_dict["second_moments"].items():
             self._second_moments[name] = v.to(self._second_moments[name])
+        if momentum is not None:
+            self._momentum.copy_(momentum)
+            self._momentum_steps = state_dict["momentum_steps"]
         self.param_groups[0].update(state_dict["hyper"])
         if self._dense is not None:
             self._dense.load_state_dict(state_dict["non_target"])
@@ -328,3 +396,89 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def remove(self) -> None:
         """Uninstall the sketches: target weights get their normal forward and gradients back."""
         self._sketches.remove()
+
+
+class DenseRowAdam(torch.optim.Optimizer):
+    """LoGRA's update rule on the exact dense gradient: a diagnostic baseline, no projection.
+
+    For every weight LoGRA would sketch (same ``target_modules``; lm_head and input
+    embeddings too with ``non_target='sketch'``): RowAdam's per-row second moment, the
+    direction renormalised to the layer's gradient norm, and one global update ratio
+    ``‖ΔW‖_F = update_ratio·‖W‖_F`` over all of them (``config.trust_ratio`` as in
+    `LoGRAOptimizer`). With ``config.beta1`` > 0 an element-wise first moment (dense, the
+    size of the weights) is the numerator, as in Adam. Every other trainable parameter
+    gets AdamW (betas 0.9/0.95) at ``non_target_lr`` (frozen with ``'freeze'``). It
+    isolates the projection: with the same settings `LoGRAOptimizer` differs from it only
+    by ``G → S A``. Uses ``update_ratio`` mode only.
+    """
+
+    def __init__(self, model: nn.Module, config: LoGRAConfig) -> None:
+        from .sketch import find_targets
+
+        if config.update_ratio is None:
+            raise ValueError("DenseRowAdam needs LoGRAConfig.update_ratio")
+        self.config = config
+        groups = find_targets(model, config.target_modules, config.non_target == "sketch")
+        targets = []
+        for modules in groups.values():
+            w = modules[0][1].weight
+            if all(w is not t for t in targets):
+                targets.append(w)
+        ids = {id(w) for w in targets}
+        rest = [p for p in model.parameters() if id(p) not in ids and p.requires_grad]
+        if config.non_target == "freeze":
+            for p in rest:
+                p.requires_grad_(False)
+            rest = []
+        param_groups = [{"params": targets, "name": "row_adam"}]
+        if rest:
+            param_groups.append({"params": rest, "name": "non_target_adamw"})
+        super().__init__(param_groups, {"lr": config.non_target_lr})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        cfg = self.config
+        targets = [p for p in self.param_groups[0]["params"] if p.grad is not None]
+        directions = []
+        for p in targets:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros(())
+                state["row_v"] = torch.zeros(p.shape[0], 1, dtype=torch.float32, device=p.device)
+                if cfg.beta1 > 0:
+                    state["m"] = torch.zeros_like(p, dtype=torch.float32)
+            state["step"] += 1
+            t = int(state["step"])
+            g = p.grad.float()
+            m = None
+            if cfg.beta1 > 0:
+                state["m"].mul_(cfg.beta1).add_(g, alpha=1 - cfg.beta1)
+                m = state["m"] / (1 - cfg.beta1**t)
+            d, state["row_v"] = row_adam_direction(g, state["row_v"], t, cfg.beta2, cfg.eps, m)
+            directions.append(d)
+        sq = [float(d.square().sum()) for d in directions]
+        if cfg.trust_ratio == "layer":
+            scales = [cfg.update_ratio * float(torch.linalg.vector_norm(p.float())) / math.sqrt(s) if s > 0 else 0.0
+                      for p, s in zip(targets, sq, strict=True)]
+        else:
+            w = math.sqrt(sum(float(torch.linalg.vector_norm(p.float())) ** 2 for p in targets))
+            total = math.sqrt(sum(sq))
+            scales = [cfg.update_ratio * w / total if total > 0 else 0.0] * len(targets)
+        for p, d, s in zip(targets, directions, scales, strict=True):
+            p.sub_((d * s).to(p.dtype))
+        for group in self.param_groups[1:]:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros(())
+                    state["m"] = torch.zeros_like(p)
+                    state["v"] = torch.zeros_like(p)
+                state["step"] += 1
+                t = int(state["step"])
+                state["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+                state["v"].mul_(0.95).addcmul_(p.grad, p.grad, value=0.05)
+                denom = (state["v"] / (1 - 0.95**t)).sqrt_().add_(1e-8)
+                p.addcdiv_(state["m"], denom, value=-group["lr"] / (1 - 0.9**t))
+        return None

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import shutil
 import statistics
 import sys
@@ -216,20 +217,73 @@ def learning_lines(groups: dict[str, Sequence[RunResult]]) -> list[str]:
     return lines
 
 
+def _gain_se(runs: Sequence[RunResult], values: Sequence[float]) -> float:
+    """SE over seeds of per-seed values; one seed: the start and final evaluation SEs combined."""
+    if len(values) > 1:
+        return statistics.stdev(values) / math.sqrt(len(values))
+    r = runs[0]
+    return math.hypot(r.evals[0].get("pass@1_stderr", float("nan")), r.evals[-1].get("pass@1_stderr", float("nan")))
+
+
+def paired_rows(groups: dict[str, Sequence[RunResult]], reference: str | None) -> list[dict[str, Any]]:
+    """Per group: paired Pass@1 gain (final − start, same seed = same warm start, problems and
+    sampling) mean ± SE over seeds, and the paired difference of final Pass@1 vs ``reference``
+    over the seeds both ran (mean ± SE of the per-seed differences), plus mean α and KL."""
+    ref = {r.seed: r for r in groups.get(reference, [])} if reference else {}
+    rows = []
+    for label, runs in groups.items():
+        gains = [r.final_pass1 - r.start_pass1 for r in runs]
+        row: dict[str, Any] = {"label": label, "n": len(runs), "seeds": [r.seed for r in runs],
+                               "start": statistics.fmean(r.start_pass1 for r in runs),
+                               "final": statistics.fmean(r.final_pass1 for r in runs),
+                               "gain": statistics.fmean(gains), "gain_se": _gain_se(runs, gains)}
+        pairs = [(r, ref[r.seed]) for r in runs if r.seed in ref]
+        if pairs and label != reference:
+            diffs = [a.final_pass1 - b.final_pass1 for a, b in pairs]
+            if len(diffs) > 1:
+                se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+            else:  # one seed: the two final evaluations' SEs (an upper bound: they share problems)
+                se = math.hypot(pairs[0][0].evals[-1]["pass@1_stderr"], pairs[0][1].evals[-1]["pass@1_stderr"])
+            row.update(diff=statistics.fmean(diffs), diff_se=se, diff_n=len(diffs))
+        alphas = [a for r in runs for a in r.series("alpha", "train")[1]]
+        kls = [k for r in runs for k in r.series("realized_kl", "train")[1]]
+        row["alpha"] = statistics.fmean(alphas) if alphas else float("nan")
+        row["kl"] = statistics.fmean(kls) if kls else float("nan")
+        row["memory_gib"] = statistics.fmean(r.memory_gib for r in runs)
+        rows.append(row)
+    return rows
+
+
+def format_paired_table(rows: Sequence[dict[str, Any]], reference: str | None) -> str:
+    """Markdown table of `paired_rows` (Pass@1 in points)."""
+    head = ["row", "seeds", "Pass@1 start (%)", "Pass@1 final (%)", "gain (points, ± SE)",
+            f"vs {reference or '-'} (points, ± paired SE)", "mean α", "mean realized KL"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        diff = (f"{100 * r['diff']:+.1f} ± {100 * r['diff_se']:.1f}"
+                + (f" (n={r['diff_n']})" if r["diff_n"] != r["n"] else "")
+                if "diff" in r else "—")
+        lines.append("| " + " | ".join([
+            r["label"], ",".join(map(str, r["seeds"])), f"{100 * r['start']:.1f}", f"{100 * r['final']:.1f}",
+            f"{100 * r['gain']:+.1f} ± {100 * r['gain_se']:.1f}", diff, f"{r['alpha']:.3g}", f"{r['kl']:.2e}"]) + " |")
+    return "\n".join(lines)
+
+
 def _aligned(runs: Sequence[RunResult], key: str, kind: str = "eval") -> tuple[list[int], list[list[float]]]:
     """Updates present in every run and the per-run values there."""
     common = None
     per_run = []
     for r in runs:
         x, y = r.series(key, kind)
-        per_run.append(dict(zip(x, y)))
+        per_run.append(dict(zip(x, y, strict=True)))
         common = set(x) if common is None else common & set(x)
     updates = sorted(common or [])
     return updates, [[d[u] for u in updates] for d in per_run]
 
 
 def plot_curves(groups: dict[str, Sequence[RunResult]], path: Path, title: str,
-                metrics: Sequence[str] = ("pass@1", "pass@4"), extra: Sequence[tuple[str, str, bool, int]] = ()) -> Path:
+                metrics: Sequence[str] = ("pass@1", "pass@4"),
+                extra: Sequence[tuple[str, str, bool, int]] = ()) -> Path:
     """Eval metrics (and optional train metrics) against the update, one colour per group.
 
     Thick line = mean over seeds, band = ± one sample std (two or more seeds) or ± the
@@ -243,13 +297,13 @@ def plot_curves(groups: dict[str, Sequence[RunResult]], path: Path, title: str,
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, runs) in enumerate(groups.items()):
         color = colors[i % len(colors)]
-        for ax, key in zip(axes, metrics):
+        for ax, key in zip(axes, metrics, strict=False):  # extra panels follow
             x, ys = _aligned(runs, key)
             if not x:
                 continue
-            mean = [statistics.fmean(col) for col in zip(*ys)]
+            mean = [statistics.fmean(col) for col in zip(*ys, strict=False)]
             if len(ys) > 1:
-                std = [statistics.stdev(col) for col in zip(*ys)]
+                std = [statistics.stdev(col) for col in zip(*ys, strict=False)]
                 for y in ys:
                     ax.plot(x, y, color=color, lw=0.6, alpha=0.45)
             elif key == "pass@1":
@@ -257,13 +311,14 @@ def plot_curves(groups: dict[str, Sequence[RunResult]], path: Path, title: str,
             else:
                 std = [0.0] * len(x)
             ax.plot(x, mean, color=color, lw=2, marker="o", ms=3, label=f"{label} (n={len(ys)})")
-            ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+            band = list(zip(mean, std, strict=True))
+            ax.fill_between(x, [m - s for m, s in band], [m + s for m, s in band],
                             color=color, alpha=0.18, lw=0)
-        for ax, (key, ylabel, log, window) in zip(axes[len(metrics):], extra):
+        for ax, (key, ylabel, log, window) in zip(axes[len(metrics):], extra, strict=True):
             x, ys = _aligned(runs, key, "train")
             if not x:
                 continue
-            mean = [statistics.fmean(col) for col in zip(*ys)]
+            mean = [statistics.fmean(col) for col in zip(*ys, strict=False)]
             mean = [statistics.fmean(mean[max(0, i - window + 1): i + 1]) for i in range(len(mean))]
             if window > 1:
                 ylabel = f"{ylabel}\n({window}-update moving mean)"
@@ -273,7 +328,7 @@ def plot_curves(groups: dict[str, Sequence[RunResult]], path: Path, title: str,
             ax.set_ylabel(ylabel)
             if log:
                 ax.set_yscale("log")
-    for ax, key in zip(axes, metrics):
+    for ax, key in zip(axes, metrics, strict=False):  # extra panels follow
         ax.set_ylabel(f"held-out {key.replace('pass', 'Pass')}")
     for ax in axes:
         ax.set_xlabel("update")
@@ -398,7 +453,16 @@ def build_parser() -> argparse.ArgumentParser:
         "difference of seed means) and writes learning.png. Unknown flags are passed to every `logra train` "
         "run.",
     )
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)} ('' = none: only --variant rows)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="an extra row: `logra train FLAGS` (shell-quoted, e.g. "
+                   "--variant \"momentum=--logra.beta1 0.9 --logra.refresh_every 10\"), run for every seed in "
+                   "OUT_DIR/NAME-sSEED; FLAGS may name another --optimizer (its --lr then defaults to RLConfig's). "
+                   "Repeatable.")
+    p.add_argument("--reference", default=None,
+                   help="row label the paired differences are taken against (default: LoGRA if run, else the "
+                   "first row)")
     p.add_argument("--seeds", type=int, default=_FULL["seeds"], help="seeds per method: 0 .. N-1")
     p.add_argument("--updates", type=int, default=_FULL["updates"], help="RL updates per run")
     p.add_argument("--eval-problems", type=int, default=_FULL["eval_problems"],
@@ -412,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per run (the CPUs are shared)")
     p.add_argument("--out-dir", type=Path, default=Path("runs/bench-learn"), help="where the run directories go")
     p.add_argument("--reuse", action="store_true", help="keep finished runs with identical arguments")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: tabulate the finished runs found under --out-dir (any seeds missing are left "
+                   "out of their row and the row shows its seeds)")
     p.add_argument("--out", type=Path, default=None, help="also write the per-run figures as JSON")
     return p
 
@@ -434,13 +501,24 @@ def _train_args(method: str, seed: int, lr: str, common: Sequence[str]) -> list[
     return ["--optimizer", method, "--seed", str(seed), *extra, *common]
 
 
+def _finished(run_dir: Path, args: Sequence[str]) -> bool:
+    """A finished run started with exactly ``args`` (what `run_train` with ``reuse`` keeps)."""
+    return _finished_with(Path(run_dir), {"args": list(args)})
+
+
 def main(argv: list[str] | None = None) -> int:
     """``logra bench learn``: run every (method, seed), print the table and the verdict."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, passthrough = parser.parse_known_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not methods or set(methods) - set(METHODS):
+    variants: dict[str, list[str]] = {}
+    for spec in args.variant:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name.strip() or "/" in name:
+            parser.error(f"--variant {spec!r}: expected NAME=FLAGS")
+        variants[name.strip()] = shlex.split(flags)
+    if (not methods and not variants) or set(methods) - set(METHODS):
         parser.error(f"--methods: choose from {', '.join(METHODS)}")
     for name in ("seeds", "updates", "eval_problems"):
         if getattr(args, name) < 1:
@@ -453,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sweep_rows: list[tuple[float, RunResult]] = []
     lr = args.lr
+    if sweep and args.report_only:
+        parser.error("--report-only does not take --lr-sweep")
     if sweep:
         for value in sweep:
             run_dir = args.out_dir / "lr-sweep" / f"adamw-lr{_lr_text(value)}-s0"
@@ -470,9 +550,29 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(next(r for value, r in sweep_rows if value == lr))
                 continue
             run_dir = args.out_dir / f"{method}-s{seed}"
-            run_train(run_dir, _train_args(method, seed, lrs[method], common), args.reuse)
+            train_args = _train_args(method, seed, lrs[method], common)
+            if args.report_only and not _finished(run_dir, train_args):
+                continue
+            if not args.report_only:
+                run_train(run_dir, train_args, args.reuse)
             runs.append(read_run(run_dir, method, seed))
-        groups[_LABELS[method]] = runs
+        if runs:
+            groups[_LABELS[method]] = runs
+    for name, flags in variants.items():
+        runs = []
+        for seed in range(args.seeds):
+            run_dir = args.out_dir / f"{name}-s{seed}"
+            train_args = ["--seed", str(seed), *flags, *common]
+            if args.report_only and not _finished(run_dir, train_args):
+                continue
+            if not args.report_only:
+                run_train(run_dir, train_args, args.reuse)
+            runs.append(read_run(run_dir, name, seed))
+        if runs:
+            groups[name] = runs
+    if not groups:
+        parser.error("no finished runs to report")
+    reference = args.reference or ("LoGRA" if "LoGRA" in groups else next(iter(groups)))
 
     values = {"seeds": args.seeds, "updates": args.updates, "eval_problems": args.eval_problems,
               "eval_every": args.eval_every}
@@ -506,14 +606,26 @@ def main(argv: list[str] | None = None) -> int:
         print()
     print(format_table(groups, {_LABELS[m]: lrs[m] for m in methods}))
     print()
-    if "logra" in methods and "adamw" in methods:
+    if variants:
+        print("Rows:\n")
+        for name, flags in variants.items():
+            print(f"- {name}: `logra train {' '.join(map(shlex.quote, flags))}`")
+        print()
+    paired = paired_rows(groups, reference)
+    print(f"Paired Pass@1 (final − start; same seed = same warm start, problems and samples), mean ± SE over seeds; "
+          f"difference vs {reference} ± SE of the per-seed differences:\n")
+    print(format_paired_table(paired, reference))
+    print()
+    if _LABELS["logra"] in groups and _LABELS["adamw"] in groups:
         print(verdict(groups[_LABELS["logra"]], groups[_LABELS["adamw"]])[1])
     else:
         print("(verdict not evaluated: needs both logra and adamw)")
     print("\nLearning over the run (paired: the same held-out problems and samples at every evaluation):\n")
     print("\n".join(learning_lines(groups)))
     title = "LoGRA vs dense AdamW vs LoRA" + title_tag(notes, passthrough)
-    png = plot_curves(groups, args.out_dir / "learning.png", title)
+    png = plot_curves(groups, args.out_dir / "learning.png", title, metrics=("pass@1",),
+                      extra=(("reward", "train reward", False, 20), ("realized_kl", "realized KL per update", True, 10),
+                             ("alpha", "α (step scale)", True, 10)))
     print(f"\nplot: {png}")
     if args.out is not None:
         payload = {label: [{"seed": r.seed, "run_dir": str(r.run_dir), "peak_pass@1": r.peak_pass1,
@@ -521,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
                             "updates_per_hour": r.updates_per_hour} for r in runs]
                    for label, runs in groups.items()}
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "lrs": lrs,
-                                        "passthrough": passthrough, "runs": payload}, indent=1))
+                                        "passthrough": passthrough, "runs": payload, "paired": paired,
+                                        "variants": variants}, indent=1))
     return 0
 
 

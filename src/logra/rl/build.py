@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .._optional import require
-from ..optimizer import LoGRAOptimizer
+from ..optimizer import DenseRowAdam, LoGRAOptimizer
 from ..tasks import Task
 from .config import TASK_OPTIONS, RLConfig
 from .tiny import load_or_warm_start
@@ -64,14 +64,18 @@ def build_optimizer(
 ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler | None]:
     """``(model, optimizer, scheduler)`` for ``config.optimizer``.
 
-    LoGRA installs its sketches on ``model`` (no scheduler: the KL controller sizes each
-    step); dense AdamW and LoRA (``model`` wrapped by peft) get a cosine learning-rate
+    LoGRA installs its sketches on ``model``; it and its dense diagnostic twin
+    `DenseRowAdam` get no scheduler (the KL controller sizes each step). Dense AdamW and
+    LoRA (``model`` wrapped by peft) get a cosine learning-rate
     schedule over the run.
     """
     if config.optimizer == "logra":
         return model, LoGRAOptimizer(model, config.logra), None
+    if config.optimizer == "dense_row_adam":  # diagnostic: LoGRA's rule on the exact gradient
+        return model, DenseRowAdam(model, config.logra), None
+    betas = (config.adam_beta1, 0.95)
     if config.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=betas, weight_decay=0.0)
     else:
         peft = require("peft")
         rank = config.lora_rank or config.logra.rank
@@ -79,7 +83,7 @@ def build_optimizer(
                                lora_dropout=0.0)
         model = peft.get_peft_model(model, lora)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
-                                      betas=(0.9, 0.95), weight_decay=0.0)
+                                      betas=betas, weight_decay=0.0)
     total = max(config.updates, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step / total, 1.0))))

@@ -42,7 +42,8 @@ class RLConfig:
             None = the task's default).
         eval_fraction: share of the task's distinct questions held out for evaluation
             (split by a hash of the question text: never trained on, never in the warm start).
-        optimizer: 'logra', 'adamw' (dense Adam baseline) or 'lora' (peft).
+        optimizer: 'logra', 'adamw' (dense Adam baseline), 'lora' (peft) or 'dense_row_adam'
+            (diagnostic: LoGRA's update rule and ``logra`` settings on the exact dense gradient).
         algorithm: 'grpo' (group-normalised advantages, clipped ratio) or 'reinforce'
             (running baseline, truncated importance sampling).
         updates: number of optimizer updates.
@@ -57,6 +58,7 @@ class RLConfig:
         baseline_decay: REINFORCE running-baseline EMA decay.
         ref_kl_coef: weight of a KL penalty to the initial policy (0 = off, as in the paper).
         lr: learning rate of the adamw / lora baselines (cosine schedule).
+        adam_beta1: first-moment decay of the adamw / lora baselines' Adam (0 = no momentum).
         lora_rank: LoRA rank (0 = logra.rank).
         logra: LoGRA optimizer settings.
         kl: predicted-KL control settings.
@@ -85,7 +87,7 @@ class RLConfig:
     strip_prefix: str | None = None
     partial_credit: bool | None = None
     eval_fraction: float = 0.2
-    optimizer: Literal["logra", "adamw", "lora"] = "logra"
+    optimizer: Literal["logra", "adamw", "lora", "dense_row_adam"] = "logra"
     algorithm: Literal["grpo", "reinforce"] = "grpo"
     updates: int = 2000
     prompts_per_update: int = 32
@@ -99,6 +101,7 @@ class RLConfig:
     baseline_decay: float = 0.9
     ref_kl_coef: float = 0.0
     lr: float = 1e-4
+    adam_beta1: float = 0.9
     lora_rank: int = 0
     logra: LoGRAConfig = field(default_factory=LoGRAConfig)
     kl: KLControlConfig = field(default_factory=KLControlConfig)
@@ -117,7 +120,7 @@ class RLConfig:
     rollout_workers: int = 0
 
     def __post_init__(self) -> None:
-        choices = {"optimizer": ("logra", "adamw", "lora"), "algorithm": ("grpo", "reinforce"),
+        choices = {"optimizer": ("logra", "adamw", "lora", "dense_row_adam"), "algorithm": ("grpo", "reinforce"),
                    "extract": ("answer", "boxed", "last_line", "full", "tag", None)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -135,6 +138,8 @@ class RLConfig:
             raise ValueError(f"RLConfig.eval_fraction must be in (0, 1), got {self.eval_fraction}")
         if self.lr <= 0:
             raise ValueError(f"RLConfig.lr must be > 0, got {self.lr}")
+        if not 0 <= self.adam_beta1 < 1:
+            raise ValueError(f"RLConfig.adam_beta1 must be in [0, 1), got {self.adam_beta1}")
         if self.algorithm == "grpo" and self.responses_per_prompt < 2:
             raise ValueError("GRPO needs responses_per_prompt >= 2 (advantages are group-normalised)")
         if self.dp < 1 or self.prompts_per_update % self.dp:

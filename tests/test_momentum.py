@@ -1,0 +1,168 @@
+"""LoGRA's optional first moment (``beta1``), refresh windows and per-layer trust ratio.
+
+Exactness against a float64 re-implementation of the formulas written here, resume
+bitwise, delta replay bitwise and 2-rank data parallelism equal to one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_qwen2, token_batch
+from logra import LoGRAConfig, LoGRAOptimizer, PolicyDelta, apply_delta
+
+
+def _train(model, opt, steps, seed0=0):
+    deltas = []
+    for i in range(steps):
+        model(**token_batch(model.config.vocab_size, seed=seed0 + i)).loss.backward()
+        deltas.append(opt.apply(opt.propose()))
+        opt.zero_grad()
+    return deltas
+
+
+def _momentum_config(**kw) -> LoGRAConfig:
+    base = {"rank": 4, "beta1": 0.9, "refresh_every": 2, "non_target": "sketch", "non_target_lr": 1e-3}
+    return LoGRAConfig(**{**base, **kw})
+
+
+# ---------------------------------------------------------------- the formula
+def _reference_step(s, m, k, v, t, w_norms, cfg, grams):
+    """One update written out in float64: returns (directions, m, k, v).
+
+    s, m: per target [out, r] sketch and first moment; k: updates in the moment; v: per
+    target [out, 1] row second moment; t: 1-based update; w_norms: per target ‖W‖_F.
+    """
+    b1, b2, eps = cfg.beta1, cfg.beta2, cfg.eps
+    m = {n: b1 * m[n] + (1 - b1) * s[n] for n in s}
+    k = k + 1
+    d = {}
+    for n in s:
+        m_hat = m[n] / (1 - b1**k)
+        src = s[n] if cfg.second_moment == "sketch" else m_hat
+        v[n] = b2 * v[n] + (1 - b2) * (src**2).mean(dim=1, keepdim=True)
+        rms = torch.sqrt(v[n] / (1 - b2**t))
+        den = rms + eps * rms.mean()
+        x = m_hat / den
+        d[n] = x * (m_hat.norm() / x.norm())
+    sq = {n: float(((d[n] @ grams[n]) * d[n]).sum()) for n in d}  # ‖D A‖_F²
+    if cfg.trust_ratio == "global":
+        scale = cfg.update_ratio * float(torch.tensor(list(w_norms.values()), dtype=torch.float64).norm())
+        scale /= sum(sq.values()) ** 0.5
+        d = {n: x * scale for n, x in d.items()}
+    else:
+        d = {n: x * (cfg.update_ratio * w_norms[n] / sq[n] ** 0.5) for n, x in d.items()}
+    return d, m, k, v
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32 vs float64: relative 1e-4, absolute 1e-5 of the tensor's largest entry (cancellation)."""
+    torch.testing.assert_close(got.to(torch.float64), want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("transfer", ["transfer", "reset"])
+@pytest.mark.parametrize("extra", [{}, {"second_moment": "momentum"}, {"trust_ratio": "layer"}])
+def test_direction_matches_float64_reference(transfer, extra):
+    cfg = _momentum_config(momentum_refresh=transfer, **extra)
+    model = tiny_qwen2()
+    opt = LoGRAOptimizer(model, cfg)
+    names = opt.targets
+    f64 = torch.float64
+    m = {n: torch.zeros_like(opt.sketches()[n], dtype=f64) for n in names}
+    v = {n: torch.zeros(opt.sketches()[n].shape[0], 1, dtype=f64) for n in names}
+    k = 0
+    refreshed = 0
+    for step in range(5):  # refresh_every=2: new projections after updates 2 and 4
+        model(**token_batch(model.config.vocab_size, seed=step)).loss.backward()
+        s = {n: x.to(f64) for n, x in opt.sketches().items()}
+        a_old = {n: opt.projection(n).to(f64) for n in names}
+        grams = {n: a @ a.T for n, a in a_old.items()}
+        targets = opt._sketches.targets
+        w_norms = {n: float(targets[n].weight.to(f64).norm()) for n in names}
+        want, m, k, v = _reference_step(s, m, k, v, step + 1, w_norms, cfg, grams)
+        proposal = opt.propose()
+        for n in names:
+            _close(proposal.directions[n], want[n])
+        opt.apply(proposal)
+        opt.zero_grad()
+        a_new = {n: opt.projection(n).to(f64) for n in names}
+        if not torch.equal(a_new[names[0]], a_old[names[0]]):
+            refreshed += 1
+            if transfer == "transfer":
+                m = {n: m[n] @ (a_old[n] @ a_new[n].T) for n in names}
+            else:
+                m = {n: torch.zeros_like(m[n]) for n in names}
+                k = 0
+        for n in names:
+            _close(opt.momenta()[n], m[n])
+    assert refreshed == 2
+
+
+def test_beta1_zero_is_the_paper_update_bitwise():
+    runs = []
+    for cfg in (LoGRAConfig(rank=4, non_target="sketch"), LoGRAConfig(rank=4, non_target="sketch", beta1=0.0,
+                                                                       momentum_refresh="reset")):
+        model = tiny_qwen2()
+        opt = LoGRAOptimizer(model, cfg)
+        _train(model, opt, 3)
+        assert opt.momenta() == {} and "momentum" not in str(opt.memory_tensors().keys())
+        runs.append(model.state_dict())
+    for n, a in runs[0].items():
+        assert torch.equal(a, runs[1][n]), n
+
+
+def test_momentum_is_counted_as_optimizer_memory():
+    opt0 = LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=4))
+    opt1 = LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=4, beta1=0.9))
+    n0 = sum(t.numel() for t in opt0.memory_tensors()["optimizer"])
+    n1 = sum(t.numel() for t in opt1.memory_tensors()["optimizer"])
+    assert n1 - n0 == opt1.sketch_buffer.numel()
+    # one buffer laid out like the sketch buffer: per-target views share its storage
+    for name, view in opt1.momenta().items():
+        assert view.shape == opt1.sketches()[name].shape
+        assert view.untyped_storage().data_ptr() == opt1._momentum.untyped_storage().data_ptr()
+
+
+def test_bad_beta1():
+    with pytest.raises(ValueError, match="beta1"):
+        LoGRAConfig(beta1=1.0)
+    with pytest.raises(ValueError, match="momentum_refresh"):
+        LoGRAConfig(momentum_refresh="keep")
+
+
+# ---------------------------------------------------------------- resume and replay
+@pytest.mark.parametrize("transfer", ["transfer", "reset"])
+def test_resume_is_bitwise(tmp_path, transfer):
+    cfg = _momentum_config(momentum_refresh=transfer, refresh_every=3)
+    model = tiny_qwen2()
+    opt = LoGRAOptimizer(model, cfg)
+    _train(model, opt, 3)  # the save point is just after a refresh (update 3)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    _train(model, opt, 4, seed0=3)  # ... and crosses the next one
+
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    fresh = tiny_qwen2(seed=123)
+    fresh.load_state_dict(state["model"])
+    opt2 = LoGRAOptimizer(fresh, cfg)
+    opt2.load_state_dict(state["opt"])
+    _train(fresh, opt2, 4, seed0=3)
+    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+    assert torch.equal(opt._momentum, opt2._momentum)
+    with pytest.raises(ValueError, match="first moment"):
+        LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=4, refresh_every=3, non_target="sketch",
+                                                 non_target_lr=1e-3)).load_state_dict(state["opt"])
+
+
+@pytest.mark.parametrize("extra", [{}, {"trust_ratio": "layer"}])
+def test_apply_delta_replays_bitwise(extra):
+    cfg = _momentum_config(non_target="freeze", **extra)
+    trainer, receiver = tiny_qwen2(), tiny_qwen2()
+    opt = LoGRAOptimizer(trainer, cfg)
+    for delta in _train(trainer, opt, 7):
+        apply_delta(receiver, PolicyDelta.from_bytes(delta.to_bytes()), cfg)
+    for (n, a), b in zip(trainer.state_dict().items(), receiver.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+    moved = zip(trainer.state_dict().values(), tiny_qwen2().state_dict().values(), strict=True)
+    assert any(not torch.equal(a, b) for a, b in moved)
