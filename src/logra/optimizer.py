@@ -24,7 +24,7 @@ from .config import LoGRAConfig
 from .delta import PolicyDelta, merge_update, set_policy_step
 from .errors import NonFiniteSketchError, StaleProposalError
 from .projection import make_projection, projection_index, projection_seed
-from .sketch import SketchSet
+from .sketch import SketchSet, SketchTarget
 
 _TINY = torch.finfo(torch.float32).tiny
 _owner_ids = itertools.count()
@@ -159,6 +159,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def sketches(self) -> dict[str, torch.Tensor]:
         """Per target, its sketch ``S = G Aᵀ`` (``[out, r]`` fp32 views, not copies)."""
         return {n: t.sketch for n, t in self._sketches.targets.items()}
+
+    def sketch_target(self, name: str) -> SketchTarget:
+        """The record of target ``name``: its weight, the modules that read it, its sketch
+        and projection (row sharding repoints ``weight`` at a local shard)."""
+        return self._sketches.targets[name]
 
     def projection(self, name: str) -> torch.Tensor:
         """The projection ``A`` (``[r, in]`` fp32) currently in force for target ``name``."""

@@ -21,16 +21,6 @@ from ..optimizer import LoGRAOptimizer, Proposal
 from ..sketch import SketchTarget
 
 
-def _sketch_target(optimizer: LoGRAOptimizer, name: str) -> SketchTarget:
-    """The optimizer's record of target ``name`` (its weight and the modules that read it).
-
-    The one place that reads the optimizer's internals: LoGRAOptimizer has no public
-    accessor for its target records yet (``LoGRAOptimizer.sketch_target(name)`` is the hook
-    this needs); row sharding repoints a record's ``weight`` at the local shard.
-    """
-    return optimizer._sketches.targets[name]
-
-
 class RowShardedLoGRA:
     """LoGRA over FSDP2 row-sharded target weights (``fully_shard``, ``Shard(0)``), docs/method.md §7.
 
@@ -64,7 +54,7 @@ class RowShardedLoGRA:
                              f"training under FSDP2 is not implemented), got {optimizer.config.non_target!r}")
         self.optimizer = optimizer
         self.group = group
-        self._targets = {name: _sketch_target(optimizer, name) for name in optimizer.targets}
+        self._targets = {name: optimizer.sketch_target(name) for name in optimizer.targets}
         self._sharded: dict[str, Any] = {}
         self._rows: dict[str, slice] = {}
         for name, target in self._targets.items():
