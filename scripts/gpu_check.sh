@@ -94,7 +94,7 @@ import torch
 
 from logra import LoGRAConfig, PolicyDelta
 from logra.errors import DeltaMismatchError
-from logra.sync import decode_full_weights
+from logra.parallel import decode_full_weights
 from logra.parallel.vllm import FusedLayout, FusedReceiver, LayoutError
 
 
@@ -172,7 +172,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from logra import LoGRAConfig, LoGRAOptimizer, apply_delta
 from logra.projection import stable_name
-from logra.sync import encode_full_weights
+from logra.parallel import encode_full_weights
 from logra.parallel.vllm import FusedLayout, expected_fused_checksum
 
 N_DELTAS, TP = 20, int(os.environ.get("VLLM_TP", "1"))

@@ -8,6 +8,7 @@ benchmarks ``logra[bench]``. A missing one raises `MissingExtraError` naming the
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 from types import ModuleType
 
@@ -36,6 +37,14 @@ def require(module: str) -> ModuleType:
         if hint is None or importlib.util.find_spec(top) is not None:
             raise
         raise MissingExtraError(f"{module} is not installed; it comes with: {hint}") from e
+
+
+def package_version(package: str) -> str | None:
+    """The installed distribution's version (``importlib.metadata``), None if not installed."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def require_extra(extra: str, what: str) -> None:

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"logra: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    name = module.rsplit(".", 1)[1]
+    name = argv[1] if command == "bench" else command
     try:
         extra = _EXTRA.get(name, "rl")
         if extra:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -109,9 +110,9 @@ class LoGRAConfig:
             raise ValueError(f"LoGRAConfig.beta2 must be in [0, 1), got {self.beta2}")
         if not 0.0 <= self.beta1 < 1.0:
             raise ValueError(f"LoGRAConfig.beta1 must be in [0, 1), got {self.beta1}")
-        if self.update_ratio is not None and self.update_ratio <= 0:
+        if self.update_ratio is not None and not 0 < self.update_ratio < math.inf:
             raise ValueError(f"LoGRAConfig.update_ratio must be > 0 or None, got {self.update_ratio}")
-        if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0:
+        if not (0 < self.lr < math.inf and 0 < self.eps < math.inf and 0 <= self.weight_decay < math.inf):
             raise ValueError("LoGRAConfig.lr and eps must be > 0 and weight_decay >= 0")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"LoGRAConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")

@@ -84,3 +84,17 @@ class ChecksumMismatchError(DeltaMismatchError):
 
 class NeedsResyncError(DeltaMismatchError):
     """The receiver's weights are known to be wrong; only `FusedReceiver.resync` is accepted."""
+
+
+class WorkerError(LoGRAError, RuntimeError):
+    """A benchmark worker process exited without a result.
+
+    Attributes:
+        method: the method it measured.
+        returncode: its exit status (negative: killed by that signal).
+        last_line: the last line it printed (for a Python exception, ``Type: message``).
+    """
+
+    def __init__(self, method: str, returncode: int, last_line: str) -> None:
+        self.method, self.returncode, self.last_line = method, returncode, last_line
+        super().__init__(f"worker for {method!r} failed with exit code {returncode}: {last_line}")

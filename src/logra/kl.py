@@ -71,7 +71,12 @@ def hidden_and_head(
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     base = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if head is None or base is None or base is model:
+    config = getattr(model, "config", None)
+    # models that transform the head's output (Gemma 2 soft-capping, Granite and Cohere
+    # scaling) are asked for their logits, so every consumer sees the policy that samples
+    transformed = any(getattr(config, k, None) not in (None, 1, 1.0)
+                      for k in ("final_logit_softcapping", "logits_scaling", "logit_scale"))
+    if head is None or base is None or base is model or transformed:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         return logits, nn.Identity()
     return base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state, head
@@ -253,7 +258,8 @@ class KLController:
     ) -> None:
         if schedule not in ("cosine", "constant"):
             raise ValueError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
-        if budget <= 0 or budget_final <= 0 or alpha_max <= 0 or schedule_steps < 1:
+        if not (budget > 0 and budget_final > 0 and alpha_max > 0) or schedule_steps < 1 \
+                or not math.isfinite(budget + budget_final + alpha_max):  # NaN compares false
             raise ValueError("budgets, alpha_max and schedule_steps must be positive")
         if not 0 < mismatch_ema <= 1 or not 0 <= mismatch_floor <= 1:
             raise ValueError("mismatch_ema must be in (0, 1] and mismatch_floor in [0, 1]")

@@ -190,8 +190,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """Per target, the rows of a ``[Σ out, r]`` buffer laid out like the sketch buffer."""
         out, offset = {}, 0
         for name, target in self._sketches.targets.items():
-            out[name] = buffer[offset: offset + target.out_features]
-            offset += target.out_features
+            rows = target.sketch.shape[0]  # fixed at install (a row-sharded weight may be swapped in)
+            out[name] = buffer[offset: offset + rows]
+            offset += rows
         return out
 
     def dense_parameters(self) -> list[nn.Parameter]:
@@ -413,8 +414,10 @@ class DenseRowAdam(torch.optim.Optimizer):
     `LoGRAOptimizer`). With ``config.beta1`` > 0 an element-wise first moment (dense, the
     size of the weights) is the numerator, as in Adam. Every other trainable parameter
     gets AdamW (betas 0.9/0.95) at ``non_target_lr`` (frozen with ``'freeze'``). It
-    isolates the projection: with the same settings `LoGRAOptimizer` differs from it only
-    by ``G → S A``. Uses ``update_ratio`` mode only.
+    isolates the projection: with the same settings `LoGRAOptimizer` differs from it by
+    ``G → S A`` (and the first moment is element-wise here, in sketch space there). Uses
+    ``update_ratio`` mode only; ``max_grad_norm`` and ``second_moment='momentum'`` are not
+    implemented (the second moment always comes from the gradient, as Adam's).
     """
 
     def __init__(self, model: nn.Module, config: LoGRAConfig) -> None:
@@ -442,6 +445,11 @@ class DenseRowAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One update of every parameter that has a gradient; returns ``closure()`` if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         cfg = self.config
         targets = [p for p in self.param_groups[0]["params"] if p.grad is not None]
         directions = []
@@ -486,4 +494,4 @@ class DenseRowAdam(torch.optim.Optimizer):
                 state["v"].mul_(0.95).addcmul_(p.grad, p.grad, value=0.05)
                 denom = (state["v"] / (1 - 0.95**t)).sqrt_().add_(1e-8)
                 p.addcdiv_(state["m"], denom, value=-group["lr"] / (1 - 0.9**t))
-        return None
+        return loss

@@ -47,6 +47,11 @@ def local_model(tmp_path_factory):
     return path
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # some reasoning-gym generators write scratch files to the working directory
+
+
 def _run(tmp_path, *argv: str) -> dict:
     run = tmp_path / "run"
     assert train_main([*argv, *SHORT, "--run_dir", str(run), "--cache_dir", str(tmp_path / "cache")]) == 0
@@ -66,7 +71,7 @@ def test_each_task_kind_runs_on_the_tiny_policy(tmp_path, math_file, kind):
     """The embedded recipe's chain_sum options never leak into another task."""
     config = _run(tmp_path, "--task", _kinds(math_file)[kind], *TINY)
     assert config["model"] == "" and config["logra"]["rank"] == 4
-    assert config["task_config"] is None and config["strip_prefix"] is None and config["partial_credit"] is None
+    assert config["task_config"] is None and config["strip_prefix"] is None and config["partial_credit"] is False
     assert config["extract"] == "full" and config["instruction"] == ""  # the tiny policy answers bare
 
 
@@ -107,7 +112,7 @@ def test_help_shows_the_embedded_defaults(capsys):
     (["--kl.budget", "-1"], "budgets"),
     (["--eval_fraction", "2"], "eval_fraction"),
     (["--logra.optimizer", "lion"], "optimizer"),
-    (["--updates", "many"], "expects a int"),
+    (["--updates", "many"], "expects an int"),
 ])
 def test_invalid_values_are_one_line_errors(argv, message):
     with pytest.raises(SystemExit) as e:
@@ -116,8 +121,15 @@ def test_invalid_values_are_one_line_errors(argv, message):
     assert text.startswith("logra train: ") and message in text and "\n" not in text
 
 
+def test_a_missing_task_file_or_bad_device_is_one_line(tmp_path):
+    for argv in (["--task", f"math:{tmp_path}/missing.jsonl"], ["--device", "tpu"]):
+        with pytest.raises(SystemExit) as e:
+            train_main([*argv, "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache")])
+        assert str(e.value).startswith("logra train: ") and "\n" not in str(e.value)
+
+
 def test_an_option_the_task_kind_does_not_take_is_a_clear_error(tmp_path, math_file):
-    with pytest.raises(SystemExit, match=r"logra train: task 'math:.*' does not take .*task_config"):
+    with pytest.raises(SystemExit, match=r"logra train: task 'math:.*' refused its options .*task_config"):
         train_main(["--task", f"math:{math_file}", "--task_config", "{min_terms: 2}", "--run_dir", str(tmp_path)])
 
 

@@ -258,3 +258,21 @@ def test_chunked_logprobs_equal_full_logits_and_give_the_same_sketches(non_targe
     assert sketches[0].keys() == sketches[1].keys()
     for name, full in sketches[0].items():  # equal up to float rounding: relative Frobenius error
         assert float(torch.linalg.vector_norm(sketches[1][name] - full)) <= 1e-5 * float(torch.linalg.vector_norm(full))
+
+
+def test_logprobs_of_a_model_that_transforms_its_logits_are_the_models():
+    """Gemma 2 soft-caps its logits after the head: the log-probs must be those of its logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from logra.rl.rollout import token_logprobs
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5,
+                       max_position_embeddings=32)
+    model = Gemma2ForCausalLM(cfg).eval()
+    ids = torch.randint(1, 64, (2, 9))
+    mask = torch.ones_like(ids)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    expected = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(token_logprobs(model, ids, mask, chunk=5)[:, 1:], expected, rtol=1e-5, atol=1e-6)

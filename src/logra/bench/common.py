@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from logra.bench import relay
+from logra.errors import WorkerError
 from logra.memory import GIB
 
 #: A Qwen2.5-0.5B-like shape (hidden 1024, 24 layers, GQA 16/2) with a 32k vocabulary and
@@ -22,20 +23,6 @@ FULL_SHAPE: dict[str, int] = {
 }
 #: Small enough for a unit test (``--quick``), with parameters (not logits) dominating memory.
 QUICK_SHAPE: dict[str, int] = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 256}
-
-
-class WorkerError(RuntimeError):
-    """A worker process exited without a result.
-
-    Attributes:
-        method: the method it measured.
-        returncode: its exit status (negative: killed by that signal).
-        last_line: the last line it printed (for a Python exception, ``Type: message``).
-    """
-
-    def __init__(self, method: str, returncode: int, last_line: str) -> None:
-        self.method, self.returncode, self.last_line = method, returncode, last_line
-        super().__init__(f"worker for {method!r} failed with exit code {returncode}: {last_line}")
 
 
 def spawn_worker(method: str, argv: list[str], module: str) -> dict[str, Any]:

@@ -45,7 +45,8 @@ from torch import nn
 
 from logra import LoGRAConfig
 from logra.bench import memory
-from logra.bench.common import FULL_SHAPE, QUICK_SHAPE, WorkerError, size_unit, spawn_worker
+from logra.bench.common import FULL_SHAPE, QUICK_SHAPE, size_unit, spawn_worker
+from logra.errors import WorkerError
 from logra.memory import CATEGORIES, GIB
 
 #: Methods in table order; the first is the baseline the ratios refer to.

@@ -23,7 +23,7 @@ from torch import nn
 from ..config import LoGRAConfig
 from ..delta import PolicyDelta
 from ..errors import LoGRAError
-from ..kl import KLController, controlled_update
+from ..kl import KLControlConfig, KLController, controlled_update
 from ..optimizer import LoGRAOptimizer
 
 if TYPE_CHECKING:
@@ -84,6 +84,16 @@ class KLControlledLoGRA(LoGRAOptimizer):
         self.last_delta: PolicyDelta | None = None
         self._probe: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
         self._step_callbacks: list[Callable[[dict[str, float]], None]] = []
+
+    @classmethod
+    def from_config(
+        cls, model: nn.Module, config: LoGRAConfig | None, kl: KLControlConfig, total_updates: int,
+        temperature: float = 1.0, measure_realized_kl: bool = True,
+    ) -> KLControlledLoGRA:
+        """Built from the one `KLControlConfig` the RL job uses too (``kl.enabled=False``: no control)."""
+        controller = kl.controller(total_updates) if kl.enabled else None
+        return cls(model, config, controller, temperature=temperature, probe_max_tokens=kl.probe_max_tokens,
+                   measure_realized_kl=measure_realized_kl)
 
     def set_probe(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, response_mask: torch.Tensor

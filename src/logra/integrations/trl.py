@@ -87,7 +87,7 @@ from torch import nn
 
 from .._optional import require
 from ..config import LoGRAConfig
-from ..kl import KLController
+from ..kl import KLControlConfig, KLController
 from . import STAT_KEYS, KLControlledLoGRA
 
 _trl = require("trl")
@@ -146,6 +146,9 @@ class LoGRAGRPOTrainer(GRPOTrainer):
         kl_control: scale every update to the KL budget; False: α = 1 always.
         probe_responses: completions of the last micro-batch used as KL probe (paper: 2).
         probe_max_tokens: at most this many probe positions.
+        kl_config: all KL-control settings in one `KLControlConfig` (as `logra train` takes
+            them; ``schedule_steps=0`` = TRL's ``max_steps``); when given, it replaces
+            ``kl_controller``, ``kl_control``, ``probe_responses`` and ``probe_max_tokens``.
         measure_realized_kl: also log the exact KL on the probe after each step
             (two extra probe forward passes).
 
@@ -167,6 +170,7 @@ class LoGRAGRPOTrainer(GRPOTrainer):
         kl_control: bool = True,
         probe_responses: int = 2,
         probe_max_tokens: int = 4096,
+        kl_config: KLControlConfig | None = None,
         measure_realized_kl: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -188,6 +192,11 @@ class LoGRAGRPOTrainer(GRPOTrainer):
         if probe_responses < 1:
             raise ValueError(f"probe_responses must be >= 1, got {probe_responses}")
         _check_args(params["args"], logra_config)
+        if kl_config is not None:
+            steps = params["args"].max_steps if params["args"].max_steps > 0 else 300
+            kl_control, probe_responses, probe_max_tokens = kl_config.enabled, kl_config.probe_responses, \
+                kl_config.probe_max_tokens
+            kl_controller = kl_config.controller(steps)
         self.logra_config = logra_config
         self.kl_controller = (kl_controller or KLController()) if kl_control else None
         self.logra_optimizer: KLControlledLoGRA | None = None

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from ..errors import (
     HandshakeError,
+    LinkError,
     NoWorkersLeftError,
     ProjectionMismatchError,
     SyncError,
@@ -64,14 +65,14 @@ from .data import (
 )
 from .fsdp import RowShardedLoGRA
 from .identity import PolicyIdentity
-from .publisher import PolicyPublisher, PublishReport, Rollout, SyncTestHooks, WorkerStatus
+from .publisher import PolicyPublisher, PublishReport, SyncTestHooks, WorkerRollout, WorkerStatus
 from .wire import decode_full_weights, encode_full_weights, load_full_weights
 from .worker import RolloutWorker
 
 __all__ = [
-    "DistInfo", "HandshakeError", "NoWorkersLeftError", "PolicyIdentity", "PolicyPublisher", "ProjectionMismatchError",
-    "PublishReport", "Rollout", "RolloutWorker", "RowShardedLoGRA", "SyncError", "SyncTestHooks", "TrainerLostError",
-    "WorkerStatus", "allreduce_bytes", "allreduce_sketches", "count_loss_tokens", "decode_full_weights",
-    "default_backend", "encode_full_weights", "global_token_count", "init_from_env", "init_local",
-    "load_full_weights", "spawn_local", "verify_projections",
+    "DistInfo", "HandshakeError", "LinkError", "NoWorkersLeftError", "PolicyIdentity", "PolicyPublisher",
+    "ProjectionMismatchError", "PublishReport", "RolloutWorker", "RowShardedLoGRA", "SyncError", "SyncTestHooks",
+    "TrainerLostError", "WorkerRollout", "WorkerStatus", "allreduce_bytes", "allreduce_sketches",
+    "count_loss_tokens", "decode_full_weights", "default_backend", "encode_full_weights", "global_token_count",
+    "init_from_env", "init_local", "load_full_weights", "spawn_local", "verify_projections",
 ]

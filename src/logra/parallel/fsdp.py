@@ -47,6 +47,9 @@ class RowShardedLoGRA:
     """
 
     def __init__(self, optimizer: LoGRAOptimizer, group: dist.ProcessGroup | None = None) -> None:
+        if optimizer.config.trust_ratio != "global":
+            raise ValueError("RowShardedLoGRA sizes steps with the global update ratio; "
+                             "trust_ratio='layer' is not supported with row sharding")
         from torch.distributed.tensor import DTensor, Shard
 
         if optimizer.config.non_target != "freeze":

@@ -87,7 +87,7 @@ class PublishReport:
 
 
 @dataclass
-class Rollout:
+class WorkerRollout:
     """One sampled response from a rollout worker.
 
     Attributes:
@@ -381,7 +381,7 @@ class PolicyPublisher:
         temperature: float = 1.0,
         seed: int = 0,
         eos_token_id: int | None = None,
-    ) -> list[Rollout]:
+    ) -> list[WorkerRollout]:
         """Sample one response per prompt on the live workers (round-robin split).
 
         Prompts of a worker lost meanwhile are regenerated on the remaining ones. Prompt
@@ -390,7 +390,7 @@ class PolicyPublisher:
         Raises:
             NoWorkersLeftError: every worker was lost.
         """
-        results: dict[int, Rollout] = {}
+        results: dict[int, WorkerRollout] = {}
         todo = list(range(len(prompts)))
         while todo:
             self._require_workers()
@@ -418,7 +418,7 @@ class PolicyPublisher:
                     self._lose(rank, str(e))
                     continue
                 for i, resp, lp in zip(idx, reply.header["responses"], reply.header["logprobs"], strict=False):
-                    results[i] = Rollout(list(prompts[i]), resp, lp, rank, reply.header["step"])
+                    results[i] = WorkerRollout(list(prompts[i]), resp, lp, rank, reply.header["step"])
             todo = [i for i in todo if i not in results]
         return [results[i] for i in range(len(prompts))]
 

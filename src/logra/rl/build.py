@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.metadata
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._optional import require
+from .._optional import package_version, require
 from ..optimizer import DenseRowAdam, LoGRAOptimizer
 from ..tasks import Task
 from .config import TASK_OPTIONS, RLConfig
@@ -36,7 +36,8 @@ def load_policy(config: RLConfig, task: Task, progress: bool = True) -> tuple[nn
         # the demonstrations are a function of the task options and of the generator's
         # version: both key the cache, so a warm start is reused only where it is the same
         data = {k: getattr(config, k) for k in TASK_OPTIONS}
-        data["reasoning_gym"] = _version("reasoning_gym")
+        data.update(task=getattr(task, "name", config.task), reasoning_gym=package_version("reasoning-gym"),
+                    files=_file_digests(task))
         data_key = json.dumps(data, sort_keys=True)
         return load_or_warm_start(tiny, Path(config.cache_dir).expanduser(), demonstrations, data_key,
                                   progress=progress)
@@ -52,11 +53,15 @@ def load_policy(config: RLConfig, task: Task, progress: bool = True) -> tuple[nn
     return model, tokenizer, {"source": config.model}
 
 
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def _file_digests(task: Task) -> dict[str, str]:
+    """SHA-256 of every data file behind ``task`` (MATH JSONL), so an edited file retrains."""
+    out: dict[str, str] = {}
+    for leaf in getattr(task, "tasks", [task]):
+        if getattr(leaf, "tasks", None):
+            out.update(_file_digests(leaf))
+        elif getattr(leaf, "path", None):
+            out[leaf.path] = hashlib.sha256(Path(leaf.path).read_bytes()).hexdigest()
+    return out
 
 
 def build_optimizer(

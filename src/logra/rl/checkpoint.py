@@ -28,7 +28,7 @@ def save_checkpoint(
     """Write ``run_dir/checkpoint`` (collective under data parallelism: every rank calls it)."""
     path = run_dir / CHECKPOINT
     if world > 1:
-        torch.save(torch.random.get_rng_state(), run_dir / f"rng-rank{rank}.pt")
+        torch.save({"rng": torch.random.get_rng_state(), "cuda_rng": _cuda_rng()}, run_dir / f"rng-rank{rank}.pt")
         dist.barrier()
         if rank != 0:
             dist.barrier()
@@ -36,7 +36,7 @@ def save_checkpoint(
     tmp = run_dir / (CHECKPOINT + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_model(model, str(tmp / "model.safetensors"))
-    torch.save({**state, "rng": torch.random.get_rng_state()}, tmp / "state.pt")
+    torch.save({**state, "rng": torch.random.get_rng_state(), "cuda_rng": _cuda_rng()}, tmp / "state.pt")
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     if path.exists():
         shutil.rmtree(path)
@@ -53,6 +53,13 @@ def load_checkpoint(run_dir: Path, model: nn.Module, rank: int = 0, world: int =
     path = run_dir / CHECKPOINT
     load_model(model, str(path / "model.safetensors"))
     state = torch.load(path / "state.pt", weights_only=True)
-    rng = torch.load(path / f"rng-rank{rank}.pt", weights_only=True) if world > 1 else state["rng"]
-    torch.random.set_rng_state(rng)
+    rng = torch.load(path / f"rng-rank{rank}.pt", weights_only=True) if world > 1 else state
+    torch.random.set_rng_state(rng["rng"])
+    if rng.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda_rng"])
     return state
+
+
+def _cuda_rng() -> torch.Tensor | None:
+    """The current CUDA device's generator state (sampling on a GPU draws from it)."""
+    return torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None

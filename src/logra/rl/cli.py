@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from .config import RECIPES, RLConfig, config_from, flat_fields
+from .config import RECIPES, RLConfig, config_from, flat_fields, recipe_config
 from .trainer import RLTrainer
 
 _RESUMABLE_CHANGES = {"updates", "eval_every", "checkpoint_every", "tensorboard", "threads"}
@@ -69,7 +69,9 @@ def _coerce(key: str, text: Any, field: dataclasses.Field) -> Any:
         if kind.startswith("tuple"):
             return tuple(s.strip() for s in text.split(",") if s.strip())
     except ValueError:
-        expected = "a mapping such as '{min_digits: 1}'" if kind.startswith("dict") else f"a {kind.split(' ')[0]}"
+        name = kind.split(" ")[0]
+        expected = "a mapping such as '{min_digits: 1}'" if kind.startswith("dict") else (
+            f"{'an' if name[0] in 'aeiou' else 'a'} {name}")
         raise SystemExit(f"logra train: --{key} expects {expected}, got {text!r}") from None
     return text
 
@@ -103,9 +105,8 @@ def build_config(values: dict[str, Any], recipe: str | None = None) -> RLConfig:
         if key not in fields:
             raise _unknown(key, list(fields), "the config")
     typed = {key: _coerce(key, value, fields[key]) for key, value in values.items()}
-    base = RECIPES[recipe].settings(typed.get("task")) if recipe else {}
     try:
-        return config_from({**base, **typed})
+        return recipe_config(recipe, **typed) if recipe else config_from(typed)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"logra train: {e}") from None
 
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(config: RLConfig, resume: bool, quiet: bool) -> None:
     try:
         trainer = RLTrainer(config, progress=not quiet)
-    except ValueError as e:
+    except (ValueError, OSError, RuntimeError) as e:  # bad task file, device, model: one line, no traceback
         raise SystemExit(f"logra train: {e}") from None
     if resume:
         trainer.load_checkpoint()

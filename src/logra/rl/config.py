@@ -10,6 +10,7 @@ train` uses when no ``--model`` is given.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,8 +39,8 @@ class RLConfig:
         instruction: format instruction appended to prompts; None or 'default' = the one matching
             ``extract``, '' = none (short prompts for tiny models).
         strip_prefix: boilerplate removed from the front of reasoning-gym questions (None = none).
-        partial_credit: keep reasoning-gym's partial rewards (else 1 for full credit, 0 otherwise;
-            None = the task's default).
+        partial_credit: keep reasoning-gym's partial rewards (else 1 for full credit, 0 otherwise,
+            as a verifier grades).
         eval_fraction: share of the task's distinct questions held out for evaluation
             (split by a hash of the question text: never trained on, never in the warm start).
         optimizer: 'logra', 'adamw' (dense Adam baseline), 'lora' (peft) or 'dense_row_adam'
@@ -85,14 +86,14 @@ class RLConfig:
     extract: Literal["answer", "boxed", "last_line", "full", "tag"] | None = None
     instruction: str | None = None
     strip_prefix: str | None = None
-    partial_credit: bool | None = None
+    partial_credit: bool = False
     eval_fraction: float = 0.2
     optimizer: Literal["logra", "adamw", "lora", "dense_row_adam"] = "logra"
     algorithm: Literal["grpo", "reinforce"] = "grpo"
     updates: int = 2000
     prompts_per_update: int = 32
     responses_per_prompt: int = 8
-    micro_batch: int = 256
+    micro_batch: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 512
@@ -104,7 +105,7 @@ class RLConfig:
     adam_beta1: float = 0.9
     lora_rank: int = 0
     logra: LoGRAConfig = field(default_factory=LoGRAConfig)
-    kl: KLControlConfig = field(default_factory=KLControlConfig)
+    kl: KLControlConfig = field(default_factory=lambda: KLControlConfig(schedule_steps=0))
     tiny: TinyPolicyConfig = field(default_factory=TinyPolicyConfig)
     eval_every: int = 250
     eval_problems: int = 500
@@ -136,8 +137,11 @@ class RLConfig:
                 raise ValueError(f"RLConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"RLConfig.eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.lr <= 0:
-            raise ValueError(f"RLConfig.lr must be > 0, got {self.lr}")
+        for name in ("lr", "clip_eps", "is_cap", "temperature"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"RLConfig.{name} must be > 0 and finite, got {getattr(self, name)}")
+        if not 0 <= self.baseline_decay < 1:
+            raise ValueError(f"RLConfig.baseline_decay must be in [0, 1), got {self.baseline_decay}")
         if not 0 <= self.adam_beta1 < 1:
             raise ValueError(f"RLConfig.adam_beta1 must be in [0, 1), got {self.adam_beta1}")
         if self.algorithm == "grpo" and self.responses_per_prompt < 2:
@@ -165,7 +169,8 @@ def build_task(config: RLConfig) -> Task:
         ValueError: an option the task kind does not take (e.g. ``task_config`` for MATH JSONL).
     """
     kw: dict[str, Any] = {"eval_fraction": config.eval_fraction}
-    for name in ("extract", "strip_prefix", "partial_credit"):
+    kw["partial_credit"] = config.partial_credit
+    for name in ("extract", "strip_prefix"):
         if getattr(config, name) is not None:
             kw[name] = getattr(config, name)
     if config.instruction not in (None, "default"):
@@ -176,7 +181,8 @@ def build_task(config: RLConfig) -> Task:
         return make_task(config.task, **kw)
     except TypeError as e:
         given = sorted("task_config" if k == "config" else k for k in kw if k != "eval_fraction")
-        raise ValueError(f"task {config.task!r} does not take some of the options given {given}: {e}") from None
+        raise ValueError(f"task {config.task!r} refused its options {given} (or a key inside task_config): {e}") \
+            from None
 
 
 # ----------------------------------------------------------------------- recipes
@@ -187,9 +193,10 @@ class Recipe:
     Attributes:
         name: what ``--recipe`` calls it.
         description: one line for ``--help``.
-        values: settings of the recipe whatever the task.
-        task_values: settings that belong to the recipe's own task (``values['task']``):
-            dropped when a run chooses another task, so they never leak into it.
+        values: settings of the recipe whatever the task (for ``embedded``: what suits the
+            tiny policy — bare answers, short responses — and its KL budget).
+        task_values: settings that belong to the recipe's own task (``values['task']``, e.g.
+            its difficulty and prompt prefix): dropped when a run chooses another task.
     """
 
     name: str
@@ -213,13 +220,13 @@ EMBEDDED = Recipe(
     description="tiny Qwen2 policy, warm-started and cached, then LoGRA RL on chain_sum (no network)",
     values={
         "model": "", "task": "chain_sum", "extract": "full", "instruction": "", "max_new_tokens": 16,
+        "micro_batch": 256,
         "logra.rank": 48, "logra.update_ratio": 3e-3, "logra.non_target": "sketch", "logra.non_target_lr": 1e-4,
         "kl.budget": 1e-3, "kl.budget_final": 1e-4, "kl.schedule_steps": 0, "kl.probe_responses": 32,
     },
     task_values={
         "task_config": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1},
-        "strip_prefix": "State the final answer to the following arithmetic problem: ",
-        "partial_credit": False, "max_new_tokens": 6,
+        "strip_prefix": "State the final answer to the following arithmetic problem: ", "max_new_tokens": 6,
     },
 )
 #: Recipes by name (``logra train --recipe NAME``).

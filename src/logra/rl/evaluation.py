@@ -41,19 +41,19 @@ def evaluate(model: nn.Module, tokenizer: Any, task: Task, problems: list[Proble
 
     Samples at the training temperature from a fixed seed, so every evaluation of a run
     sees the same problems and random numbers (gains between evaluations are paired).
-    The global RNG state is restored afterwards.
+    The RNG state of the CPU and of the model's CUDA device is restored afterwards.
     """
     n, k = len(problems), samples
-    state = torch.random.get_rng_state()
-    torch.manual_seed(config.seed + 7)
-    try:
-        expanded = [p for p in problems for _ in range(k)]
+    device = next(model.parameters()).device
+    expanded = [p for p in problems for _ in range(k)]
+    # the training stream's RNG (CPU and this CUDA device) is left where it was
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(config.seed + 7)
         rollout = generate_rollouts(model, tokenizer, [p.prompt for p in expanded], temperature=config.temperature,
                                     top_p=config.top_p, max_new_tokens=config.max_new_tokens,
                                     batch_size=max(config.micro_batch, 64))
-    finally:
-        torch.random.set_rng_state(state)
-    rewards = torch.tensor([task.score(p, t) for p, t in zip(expanded, rollout.responses, strict=True)]).view(n, k)
+    scores = [task.score(p, t) for p, t in zip(expanded, rollout.responses, strict=True)]
+    rewards = torch.tensor(scores, dtype=torch.float32).view(n, k)
     correct = [sum(is_correct(r) for r in row) for row in rewards.tolist()]
     p1 = [pass_at_k(k, c, 1) for c in correct]
     mean1 = sum(p1) / n

@@ -146,6 +146,17 @@ class TinyPolicyConfig:
     sft_warmup_steps: int = 50
     num_demonstrations: int = 20000
 
+    def __post_init__(self) -> None:
+        positive = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                    "max_position_embeddings", "sft_steps", "sft_batch_size", "num_demonstrations")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"TinyPolicyConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("TinyPolicyConfig: hidden_size must divide by num_heads, num_heads by num_kv_heads")
+        if not (0 < self.sft_lr < math.inf and 0 <= self.sft_weight_decay < math.inf) or self.sft_warmup_steps < 0:
+            raise ValueError("TinyPolicyConfig: sft_lr must be > 0, sft_weight_decay and sft_warmup_steps >= 0")
+
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON view of the config (used for the cache key and info file)."""
         return dataclasses.asdict(self)

@@ -157,7 +157,8 @@ class RLTrainer:
 
         # rollout and reward
         problems, rollout = self._rollout(self._train_problems(self.num_updates))
-        rewards = torch.tensor([self.task.score(p, t) for p, t in zip(problems, rollout.responses, strict=True)])
+        rewards = torch.tensor([self.task.score(p, t) for p, t in zip(problems, rollout.responses, strict=True)],
+                               dtype=torch.float32)
         t_rollout = time.perf_counter()
         reward_sum, correct, n_all = self._sum(
             [float(rewards.sum()), sum(is_correct(r) for r in rewards.tolist()), len(rollout)])
@@ -237,8 +238,10 @@ class RLTrainer:
             (probe.input_ids, probe.attention_mask, probe.response_mask), temperature=cfg.temperature,
             max_tokens=cfg.kl.probe_max_tokens, reduce=self._sum)
         self.optimizer.zero_grad(set_to_none=True)
-        if not cfg.kl.enabled:
-            stats["effective_budget"] = self.controller.effective_budget(self.num_updates)
+        if not cfg.kl.enabled:  # the same keys as a controlled run: the schedule it would follow
+            stats.update(predicted_kl=float("nan"), expected_kl=float("nan"),
+                         budget=self.controller.budget_at(self.num_updates),
+                         effective_budget=self.controller.effective_budget(self.num_updates))
         return {**record, **sent, **stats}
 
     def add_gradient_hook(self, fn: Callable[[RLTrainer], None]) -> None:

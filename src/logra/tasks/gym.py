@@ -7,7 +7,7 @@ import difflib
 from collections.abc import Sequence
 from typing import Any
 
-from .._optional import require
+from .._optional import package_version, require
 from .base import (
     Problem,
     Task,
@@ -201,7 +201,7 @@ def rg_hard(**kw: Any) -> MixtureTask:
     installed = set(list_tasks())
     missing = [n for n in REASONING_GYM_HARD if n not in installed]
     if missing:
-        version = getattr(require("reasoning_gym"), "__version__", "unknown")
+        version = package_version("reasoning-gym") or "unknown"
         raise ValueError(
             f"the 'rg-hard' preset needs reasoning-gym tasks {missing}, which the installed "
             f"reasoning_gym (version {version}) does not provide; build a MixtureTask of the others explicitly"

@@ -126,9 +126,12 @@ class MathJsonlTask(Task):
         eval_fraction: Fraction of problems held out for eval.
         instruction: Format instruction appended to each problem; None uses
             the default for ``extract``, '' appends nothing.
+        partial_credit: Accepted so that one setting can go to every task of a
+            mixture; MATH answers are right or wrong, so it changes nothing.
 
     Raises:
-        ValueError: On a malformed line, naming the file and 1-based line.
+        ValueError: On a malformed line, naming the file and 1-based line, or a
+            file that cannot be read.
     """
 
     def __init__(
@@ -138,6 +141,7 @@ class MathJsonlTask(Task):
         *,
         eval_fraction: float = 0.1,
         instruction: str | None = None,
+        partial_credit: bool = False,
     ) -> None:
         self.path = str(path)
         self.name = f"math:{self.path}"
