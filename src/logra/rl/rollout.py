@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedTokenizerBase
 
 from ..kl import hidden_and_head
 
@@ -84,7 +85,7 @@ def _chunk_logprobs(states: torch.Tensor, targets: torch.Tensor, head: nn.Module
 @torch.no_grad()
 def generate_rollouts(
     model: nn.Module,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: list[str],
     *,
     temperature: float = 1.0,
@@ -130,7 +131,8 @@ def generate_rollouts(
 
 
 def layout_rollouts(
-    rows: list[tuple[list[int], list[int], list[float], bool]], tokenizer, device: torch.device | str = "cpu"
+    rows: list[tuple[list[int], list[int], list[float], bool]], tokenizer: PreTrainedTokenizerBase,
+    device: torch.device | str = "cpu",
 ) -> Rollout:
     """Right-padded `Rollout` from ``(prompt ids, response ids, response log-probs, truncated)`` rows,
     wherever they were sampled (here or on rollout workers)."""
