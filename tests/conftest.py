@@ -54,3 +54,35 @@ def checkpoint(model, reentrant: bool = False) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def train_steps(model, opt, steps: int, seed0: int = 0) -> list:
+    """``steps`` LoGRA updates on fresh random batches; the policy deltas they produced."""
+    deltas = []
+    for i in range(steps):
+        model(**token_batch(model.config.vocab_size, seed=seed0 + i)).loss.backward()
+        deltas.append(opt.apply(opt.propose()))
+        opt.zero_grad()
+    return deltas
+
+
+def resumed_run(cfg, tmp_path, before: int, after: int):
+    """Train ``before`` updates, checkpoint, ``after`` more; then load the checkpoint into a
+    differently initialised model and optimizer and train the same ``after``.
+    Returns ``((model, opt), (resumed model, resumed opt))``."""
+    from logra import LoGRAOptimizer
+
+    model = tiny_qwen2()
+    opt = LoGRAOptimizer(model, cfg)
+    train_steps(model, opt, before)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    train_steps(model, opt, after, seed0=before)
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    fresh = tiny_qwen2(seed=123)
+    fresh.load_state_dict(state["model"])
+    opt2 = LoGRAOptimizer(fresh, cfg)
+    opt2.load_state_dict(state["opt"])
+    train_steps(fresh, opt2, after, seed0=before)
+    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+    return (model, opt), (fresh, opt2)

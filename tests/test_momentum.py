@@ -9,17 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_qwen2, token_batch
+from conftest import resumed_run, tiny_qwen2, token_batch, train_steps
 from logra import LoGRAConfig, LoGRAOptimizer, PolicyDelta, apply_delta
-
-
-def _train(model, opt, steps, seed0=0):
-    deltas = []
-    for i in range(steps):
-        model(**token_batch(model.config.vocab_size, seed=seed0 + i)).loss.backward()
-        deltas.append(opt.apply(opt.propose()))
-        opt.zero_grad()
-    return deltas
 
 
 def _momentum_config(**kw) -> LoGRAConfig:
@@ -105,7 +96,7 @@ def test_beta1_zero_is_the_paper_update_bitwise():
                                                                        momentum_refresh="reset")):
         model = tiny_qwen2()
         opt = LoGRAOptimizer(model, cfg)
-        _train(model, opt, 3)
+        train_steps(model, opt, 3)
         assert opt.momenta() == {} and "momentum" not in str(opt.memory_tensors().keys())
         runs.append(model.state_dict())
     for n, a in runs[0].items():
@@ -134,25 +125,14 @@ def test_bad_beta1():
 # ---------------------------------------------------------------- resume and replay
 @pytest.mark.parametrize("transfer", ["transfer", "reset"])
 def test_resume_is_bitwise(tmp_path, transfer):
+    """Saved just after a refresh (update 3), resumed across the next one."""
     cfg = _momentum_config(momentum_refresh=transfer, refresh_every=3)
-    model = tiny_qwen2()
-    opt = LoGRAOptimizer(model, cfg)
-    _train(model, opt, 3)  # the save point is just after a refresh (update 3)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
-    _train(model, opt, 4, seed0=3)  # ... and crosses the next one
-
-    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    fresh = tiny_qwen2(seed=123)
-    fresh.load_state_dict(state["model"])
-    opt2 = LoGRAOptimizer(fresh, cfg)
-    opt2.load_state_dict(state["opt"])
-    _train(fresh, opt2, 4, seed0=3)
-    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
-        assert torch.equal(a, b), n
-    assert torch.equal(opt._momentum, opt2._momentum)
+    (_, opt), (_, opt2) = resumed_run(cfg, tmp_path, before=3, after=4)
+    for name, m in opt.momenta().items():
+        assert torch.equal(m, opt2.momenta()[name]), name
     with pytest.raises(ValueError, match="first moment"):
         LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=4, refresh_every=3, non_target="sketch",
-                                                 non_target_lr=1e-3)).load_state_dict(state["opt"])
+                                                 non_target_lr=1e-3)).load_state_dict(opt.state_dict())
 
 
 @pytest.mark.parametrize("extra", [{}, {"trust_ratio": "layer"}])
@@ -160,7 +140,7 @@ def test_apply_delta_replays_bitwise(extra):
     cfg = _momentum_config(non_target="freeze", **extra)
     trainer, receiver = tiny_qwen2(), tiny_qwen2()
     opt = LoGRAOptimizer(trainer, cfg)
-    for delta in _train(trainer, opt, 7):
+    for delta in train_steps(trainer, opt, 7):
         apply_delta(receiver, PolicyDelta.from_bytes(delta.to_bytes()), cfg)
     for (n, a), b in zip(trainer.state_dict().items(), receiver.state_dict().values(), strict=True):
         assert torch.equal(a, b), n

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import tiny_qwen2, token_batch
+from conftest import resumed_run, tiny_qwen2, token_batch, train_steps
 from logra import (
     DeltaMismatchError,
     LoGRAConfig,
@@ -21,15 +21,6 @@ from logra import (
     apply_delta,
 )
 from logra.projection import make_projection, projection_seed
-
-
-def _train(model, opt, steps, seed0=0):
-    deltas = []
-    for i in range(steps):
-        model(**token_batch(model.config.vocab_size, seed=seed0 + i)).loss.backward()
-        deltas.append(opt.apply(opt.propose()))
-        opt.zero_grad()
-    return deltas
 
 
 # ---------------------------------------------------------------- projections
@@ -64,7 +55,7 @@ def test_projection_refresh(refresh):
     opt = LoGRAOptimizer(model, LoGRAConfig(rank=4, refresh=refresh))
     name = opt.targets[0]
     before = opt.projection(name).clone()
-    _train(model, opt, 1)
+    train_steps(model, opt, 1)
     assert torch.equal(before, opt.projection(name)) is (not refresh)
 
 
@@ -74,7 +65,7 @@ def test_refresh_every_k():
     name = opt.targets[0]
     seen = [opt.projection(name).clone()]
     for i in range(4):
-        _train(model, opt, 1, seed0=i)
+        train_steps(model, opt, 1, seed0=i)
         seen.append(opt.projection(name).clone())
     assert torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
     assert torch.equal(seen[2], seen[3]) and not torch.equal(seen[3], seen[4])
@@ -159,21 +150,8 @@ def test_zero_sketch_gives_zero_step():
 
 # ---------------------------------------------------------------- resume and delta
 def test_resume_is_bitwise(tmp_path):
-    cfg = LoGRAConfig(rank=8)
-    model = tiny_qwen2()
-    opt = LoGRAOptimizer(model, cfg)
-    _train(model, opt, 3)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
-    _train(model, opt, 2, seed0=3)
-
-    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    fresh = tiny_qwen2(seed=123)
-    fresh.load_state_dict(state["model"])
-    opt2 = LoGRAOptimizer(fresh, cfg)
-    opt2.load_state_dict(state["opt"])
-    _train(fresh, opt2, 2, seed0=3)
-    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
-        assert torch.equal(a, b), n
+    """3 updates, checkpoint, 2 more = the checkpoint loaded into a fresh model + 2 (asserted inside)."""
+    resumed_run(LoGRAConfig(rank=8), tmp_path, before=3, after=2)
 
 
 @pytest.mark.parametrize("non_target", ["freeze", "sketch"])
@@ -183,7 +161,7 @@ def test_apply_delta_reproduces_trainer_bitwise(non_target):
     opt = LoGRAOptimizer(trainer, cfg)
     if non_target == "sketch":  # norms move densely: sync them by hand, as the sync layer does
         dense = [n for n, p in trainer.named_parameters() if p.requires_grad]
-    for delta in _train(trainer, opt, 20):
+    for delta in train_steps(trainer, opt, 20):
         wire = PolicyDelta.from_bytes(delta.to_bytes())
         apply_delta(receiver, wire, cfg)
         if non_target == "sketch":
@@ -199,7 +177,7 @@ def test_apply_delta_refuses_bad_deltas():
     cfg = LoGRAConfig(rank=8)
     trainer, receiver = tiny_qwen2(), tiny_qwen2()
     opt = LoGRAOptimizer(trainer, cfg)
-    d0, d1 = _train(trainer, opt, 2)
+    d0, d1 = train_steps(trainer, opt, 2)
     before = copy.deepcopy(receiver.state_dict())
     with pytest.raises(DeltaMismatchError, match="out-of-order"):
         apply_delta(receiver, d1, cfg)
@@ -241,7 +219,7 @@ def test_non_linear_target_is_named():
 def test_non_finite_loss_changes_nothing():
     model = tiny_qwen2()
     opt = LoGRAOptimizer(model, LoGRAConfig(rank=4))
-    _train(model, opt, 2)
+    train_steps(model, opt, 2)
     weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     (model(**token_batch(97)).loss * float("nan")).backward()
     with pytest.raises(NonFiniteSketchError):
@@ -270,7 +248,7 @@ def test_adamw_non_targets_train_and_resume(tmp_path):
     emb0 = model.get_input_embeddings().weight.detach().clone()
     opt = LoGRAOptimizer(model, cfg)
     assert len(opt.param_groups) == 2
-    _train(model, opt, 2)
+    train_steps(model, opt, 2)
     assert not torch.equal(emb0, model.get_input_embeddings().weight)
     state = opt.state_dict()
     torch.save(state, tmp_path / "s.pt")
@@ -281,7 +259,7 @@ def test_freeze_mode_changes_only_targets():
     model = tiny_qwen2()
     before = copy.deepcopy(model.state_dict())
     opt = LoGRAOptimizer(model, LoGRAConfig(rank=8))
-    _train(model, opt, 3)
+    train_steps(model, opt, 3)
     changed = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
     assert changed == set(opt.targets)
 
