@@ -77,7 +77,7 @@ class Proposal:
     _owner: LoGRAOptimizer = field(repr=False)
     _second_moments: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
     _clip: float = field(repr=False, default=1.0)
-    _momentum: torch.Tensor | None = field(repr=False, default=None)
+    _beta1: float | None = field(repr=False, default=None)
 
     def perturbed(self, eps: torch.Tensor) -> AbstractContextManager[None]:
         """Within the block the model computes at ``θ + ε·Δ`` (a dual ``ε`` gives the tangent)."""
@@ -228,15 +228,16 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             clip = self.config.max_grad_norm / (sketch_norm + 1e-6)
         directions, moments = {}, {}
         t_next = self._step + 1
-        momentum, momenta = None, {}
-        if self._momentum is not None:
-            beta1 = group["beta1"]
-            momentum = self._momentum * beta1 + (buffer * clip if clip != 1.0 else buffer) * (1.0 - beta1)
-            correction = 1.0 - beta1 ** (self._momentum_steps + 1)
-            momenta = {n: m / correction for n, m in self._views(momentum).items()}
+        # The new first moment is formed one target at a time (no second [Σ out, r] buffer):
+        # `apply` repeats the same two in-place operations on the state, so it stores these bits.
+        beta1 = group["beta1"] if self._momentum is not None else None
+        old_momenta = self._views(self._momentum) if beta1 is not None else {}
+        correction = 1.0 - beta1 ** (self._momentum_steps + 1) if beta1 is not None else 1.0
         for name, target in targets.items():
             s = target.sketch * clip if clip != 1.0 else target.sketch
-            m = momenta.get(name)
+            m = None
+            if beta1 is not None:
+                m = (old_momenta[name] * beta1).add_(target.sketch, alpha=(1.0 - beta1) * clip).div_(correction)
             if self.config.optimizer == "row_adam":
                 v_in = m if (m is not None and self.config.second_moment == "momentum") else s
                 directions[name], moments[name] = row_adam_direction(
@@ -269,7 +270,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return Proposal(
             step=self._step, directions=directions, decay=decay, sketch_norm=sketch_norm,
             update_norm=scale * math.sqrt(update_sq), _owner=self, _second_moments=moments, _clip=clip,
-            _momentum=momentum,
+            _beta1=beta1,
         )
 
     @torch.no_grad()
@@ -299,8 +300,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             merge_update(target.weight, u, target.projection, decay)
             factors[name] = u
         self._second_moments.update(proposal._second_moments)
-        if self._momentum is not None:
-            self._momentum.copy_(proposal._momentum)
+        if proposal._beta1 is not None:
+            beta1 = proposal._beta1
+            self._momentum.mul_(beta1).add_(self._sketches.buffer, alpha=(1.0 - beta1) * proposal._clip)
             self._momentum_steps += 1
         if self._dense is not None:
             group = self._dense.param_groups[0]
