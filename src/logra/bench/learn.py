@@ -217,12 +217,25 @@ def learning_lines(groups: dict[str, Sequence[RunResult]]) -> list[str]:
     return lines
 
 
+def paired_eval_se(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """SE over problems of ``pass@1(a) − pass@1(b)`` for two evaluations of the same problems.
+
+    Uses the per-problem correct counts (``correct``, out of ``samples``) when both rows
+    have them for the same number of problems; otherwise the two SEs combined (an upper
+    bound when the problems are shared).
+    """
+    ca, cb = a.get("correct"), b.get("correct")
+    if ca and cb and len(ca) == len(cb) > 1:
+        d = [x / a["samples"] - y / b["samples"] for x, y in zip(ca, cb)]
+        return statistics.stdev(d) / math.sqrt(len(d))
+    return math.hypot(a.get("pass@1_stderr", float("nan")), b.get("pass@1_stderr", float("nan")))
+
+
 def _gain_se(runs: Sequence[RunResult], values: Sequence[float]) -> float:
-    """SE over seeds of per-seed values; one seed: the start and final evaluation SEs combined."""
+    """SE over seeds of per-seed values; one seed: paired over problems (`paired_eval_se`)."""
     if len(values) > 1:
         return statistics.stdev(values) / math.sqrt(len(values))
-    r = runs[0]
-    return math.hypot(r.evals[0].get("pass@1_stderr", float("nan")), r.evals[-1].get("pass@1_stderr", float("nan")))
+    return paired_eval_se(runs[0].evals[-1], runs[0].evals[0])
 
 
 def paired_rows(groups: dict[str, Sequence[RunResult]], reference: str | None) -> list[dict[str, Any]]:
@@ -242,8 +255,8 @@ def paired_rows(groups: dict[str, Sequence[RunResult]], reference: str | None) -
             diffs = [a.final_pass1 - b.final_pass1 for a, b in pairs]
             if len(diffs) > 1:
                 se = statistics.stdev(diffs) / math.sqrt(len(diffs))
-            else:  # one seed: the two final evaluations' SEs (an upper bound: they share problems)
-                se = math.hypot(pairs[0][0].evals[-1]["pass@1_stderr"], pairs[0][1].evals[-1]["pass@1_stderr"])
+            else:  # one seed: paired over the shared problems
+                se = paired_eval_se(pairs[0][0].evals[-1], pairs[0][1].evals[-1])
             row.update(diff=statistics.fmean(diffs), diff_se=se, diff_n=len(diffs))
         alphas = [a for r in runs for a in r.series("alpha", "train")[1]]
         kls = [k for r in runs for k in r.series("realized_kl", "train")[1]]
