@@ -226,7 +226,7 @@ def paired_eval_se(a: dict[str, Any], b: dict[str, Any]) -> float:
     """
     ca, cb = a.get("correct"), b.get("correct")
     if ca and cb and len(ca) == len(cb) > 1:
-        d = [x / a["samples"] - y / b["samples"] for x, y in zip(ca, cb)]
+        d = [x / a["samples"] - y / b["samples"] for x, y in zip(ca, cb, strict=True)]
         return statistics.stdev(d) / math.sqrt(len(d))
     return math.hypot(a.get("pass@1_stderr", float("nan")), b.get("pass@1_stderr", float("nan")))
 

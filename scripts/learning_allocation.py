@@ -5,7 +5,7 @@ Runs N updates of `logra train` in-process per method, records each applied upda
 per-parameter displacement (α included) and prints, per layer group, the mean share of
 Σ‖ΔW‖² and the median relative step ‖ΔW_l‖/‖W_l‖.
 
-    PYTHONPATH=src python docs/learning_allocation.py --updates 30 --cache_dir /work/cache-research
+    PYTHONPATH=src python scripts/learning_allocation.py --updates 30 --cache_dir runs/cache-study
 """
 
 from __future__ import annotations
