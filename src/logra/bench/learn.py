@@ -554,35 +554,26 @@ def main(argv: list[str] | None = None) -> int:
         lr = max(sweep_rows, key=lambda vr: (vr[1].peak_pass1, vr[1].final_pass1))[0]
     lrs = {"logra": "update_ratio", "adamw": _lr_text(lr), "lora": _lr_text(args.lora_lr or lr)}
 
-    groups: dict[str, list[RunResult]] = {}
-    for method in methods:
+    def seed_runs(name: str, train_args: Any) -> list[RunResult]:
+        """The finished (or, unless --report-only, freshly run) runs of one row, seed by seed."""
         runs = []
         for seed in range(args.seeds):
-            if method == "adamw" and seed == 0 and sweep_rows:
+            if name == "adamw" and seed == 0 and sweep_rows:
                 # the sweep's run at the chosen rate is exactly this run: same arguments
                 runs.append(next(r for value, r in sweep_rows if value == lr))
                 continue
-            run_dir = args.out_dir / f"{method}-s{seed}"
-            train_args = _train_args(method, seed, lrs[method], common)
-            if args.report_only and not _finished(run_dir, train_args):
+            run_dir, seed_args = args.out_dir / f"{name}-s{seed}", train_args(seed)
+            if args.report_only and not _finished(run_dir, seed_args):
                 continue
             if not args.report_only:
-                run_train(run_dir, train_args, args.reuse)
-            runs.append(read_run(run_dir, method, seed))
-        if runs:
-            groups[_LABELS[method]] = runs
-    for name, flags in variants.items():
-        runs = []
-        for seed in range(args.seeds):
-            run_dir = args.out_dir / f"{name}-s{seed}"
-            train_args = ["--seed", str(seed), *flags, *common]
-            if args.report_only and not _finished(run_dir, train_args):
-                continue
-            if not args.report_only:
-                run_train(run_dir, train_args, args.reuse)
+                run_train(run_dir, seed_args, args.reuse)
             runs.append(read_run(run_dir, name, seed))
-        if runs:
-            groups[name] = runs
+        return runs
+
+    rows = {_LABELS[m]: seed_runs(m, lambda seed, m=m: _train_args(m, seed, lrs[m], common)) for m in methods}
+    rows.update({name: seed_runs(name, lambda seed, f=flags: ["--seed", str(seed), *f, *common])
+                 for name, flags in variants.items()})
+    groups: dict[str, list[RunResult]] = {label: runs for label, runs in rows.items() if runs}
     if not groups:
         parser.error("no finished runs to report")
     reference = args.reference or ("LoGRA" if "LoGRA" in groups else next(iter(groups)))
