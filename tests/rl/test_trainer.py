@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -276,3 +277,18 @@ def test_logprobs_of_a_model_that_transforms_its_logits_are_the_models():
     logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
     expected = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     torch.testing.assert_close(token_logprobs(model, ids, mask, chunk=5)[:, 1:], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_reference_policy_is_the_initial_plain_model(tmp_path):
+    """With a reference-KL penalty the reference is a frozen copy of the initial policy, without sketches."""
+    model, tok = _policy()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = RLTrainer(_config(tmp_path, ref_kl_coef=0.1, updates=1), model=model, tokenizer=tok, task=VowelTask(),
+                        progress=False)
+    record = trainer.train_step()
+    assert math.isfinite(record["loss"])
+    ref = trainer.reference.state_dict()
+    assert all(torch.equal(ref[k], v) for k, v in initial.items())
+    assert any(not torch.equal(trainer.model.state_dict()[k], v) for k, v in initial.items())
+    assert not any(hasattr(m, "_logra_target") for m in trainer.reference.modules())
+    assert all(not p.requires_grad for p in trainer.reference.parameters())

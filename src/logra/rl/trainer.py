@@ -88,9 +88,10 @@ class RLTrainer:
         else:
             self.policy_info = {"source": "given"}
         self.tokenizer = tokenizer
-        self.model, self.optimizer, self.scheduler = build_optimizer(config, model.to(self.device))
-        self.reference = (copy.deepcopy(self.model).eval().requires_grad_(False)
-                          if config.ref_kl_coef > 0 else None)
+        model = model.to(self.device)
+        # the reference is the initial policy itself: copied before sketches or adapters are installed
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if config.ref_kl_coef > 0 else None
+        self.model, self.optimizer, self.scheduler = build_optimizer(config, model)
         if self.world > 1 and isinstance(self.optimizer, LoGRAOptimizer):
             verify_projections(self.optimizer)
         torch.manual_seed(config.seed * 1_000 + self.rank)  # each rank samples its own responses
