@@ -29,8 +29,9 @@ _RESUMABLE_CHANGES = {"updates", "eval_every", "checkpoint_every", "tensorboard"
 def _field_docs() -> dict[str, str]:
     """Dotted key → help text, from the 'Attributes:' sections of the config docstrings."""
     docs: dict[str, str] = {}
-    sections = {"": RLConfig, **{f.name + ".": type(getattr(RLConfig(), f.name)) for f in dataclasses.fields(RLConfig)
-                                 if dataclasses.is_dataclass(getattr(RLConfig(), f.name))}}
+    default = RLConfig()
+    sections = {"": RLConfig, **{f.name + ".": type(getattr(default, f.name)) for f in dataclasses.fields(RLConfig)
+                                 if dataclasses.is_dataclass(getattr(default, f.name))}}
     for prefix, cls in sections.items():
         doc = (cls.__doc__ or "").split("Attributes:", 1)
         current = None

@@ -297,27 +297,8 @@ def warm_start(
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    losses, seconds = _sft_loop(model, tokenizer, seqs, starts, opt, sched, params, config, progress)
-    model.eval()
-    tail = losses[-max(1, len(losses) // 20) :]
-    return {
-        "final_loss": sum(tail) / len(tail),
-        "first_loss": losses[0],
-        "seconds": seconds,
-        "steps": float(steps),
-        "num_demonstrations": float(len(demonstrations)),
-    }
-
-
-def _sft_loop(
-    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, seqs: list[list[int]], starts: list[int],
-    opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler, params: list[torch.nn.Parameter],
-    config: TinyPolicyConfig, progress: bool,
-) -> tuple[list[float], float]:
-    """The SFT steps of `warm_start`: ``(losses, seconds)``."""
     rng = random.Random(config.seed)
     order: list[int] = []
-    steps = config.sft_steps
     model.train()
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -343,7 +324,15 @@ def _sft_loop(
         if progress and len(losses) % 20 == 0:
             bar.set_postfix(loss=f"{sum(losses[-20:]) / 20:.3f}")
     bar.close()
-    return losses, time.perf_counter() - t0
+    model.eval()
+    tail = losses[-max(1, len(losses) // 20) :]
+    return {
+        "final_loss": sum(tail) / len(tail),
+        "first_loss": losses[0],
+        "seconds": time.perf_counter() - t0,
+        "steps": float(steps),
+        "num_demonstrations": float(len(demonstrations)),
+    }
 
 
 def load_or_warm_start(
