@@ -35,6 +35,22 @@ def test_dense_row_adam_is_logra_with_identity_projection(extra):
     assert moved >= 12
 
 
+@pytest.mark.parametrize("extra", [{}, {"beta1": 0.9, "refresh_every": 2}])
+def test_logra_with_full_rank_orthogonal_projections_is_dense_row_adam(extra):
+    # AᵀA = I for every freshly drawn A: sketch, reconstruction and momentum transfer lose nothing
+    cfg = LoGRAConfig(rank=32, distribution="orthogonal", target_modules=TARGETS, update_ratio=1e-2,
+                      factor_dtype="float32", **extra)
+    a, b = tiny_qwen2(), tiny_qwen2()
+    logra, dense = LoGRAOptimizer(a, cfg), DenseRowAdam(b, cfg)
+    for step in range(4):
+        for model, opt in ((a, logra), (b, dense)):
+            model(**token_batch(97, seed=step)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    for (n, wa), wb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        torch.testing.assert_close(wa, wb, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_dense_row_adam_trains_non_targets_and_resumes(tmp_path):
     cfg = LoGRAConfig(rank=8, non_target="sketch", non_target_lr=1e-3, beta1=0.9)
     model = tiny_qwen2()

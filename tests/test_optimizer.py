@@ -49,6 +49,20 @@ def test_projection_is_isotropic(dist):
         assert torch.allclose(a.abs(), torch.full_like(a, 1 / math.sqrt(r)))
 
 
+def test_orthogonal_projection_is_exact_at_full_rank_and_isotropic_below():
+    a = make_projection(24, 24, projection_seed(0, 0, "w"), "orthogonal")
+    torch.testing.assert_close(a.T @ a, torch.eye(24), rtol=0, atol=1e-5)
+    r, n, draws = 8, 24, 400
+    acc = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(draws):
+        a = make_projection(r, n, projection_seed(0, i, "w"), "orthogonal").double()
+        torch.testing.assert_close(a @ a.T, torch.eye(r, dtype=torch.float64) * n / r, rtol=0, atol=1e-5)
+        acc += a.T @ a
+    assert (acc / draws - torch.eye(n)).abs().max() < 0.15  # E[AᵀA] = I
+    with pytest.raises(ValueError, match="rank <= in_features"):
+        make_projection(30, 24, 1, "orthogonal")
+
+
 @pytest.mark.parametrize("refresh", [True, False])
 def test_projection_refresh(refresh):
     model = tiny_qwen2()
@@ -289,3 +303,24 @@ def test_rank_that_saves_no_memory_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=8))
+
+
+def test_rademacher_projections_are_stored_as_int8_signs_bitwise():
+    """Compact storage changes memory, not results: same weights as fp32-stored projections."""
+    cfg = LoGRAConfig(rank=4, refresh_every=2, beta1=0.9)
+    compact, plain = tiny_qwen2(), tiny_qwen2()
+    opt_c, opt_p = LoGRAOptimizer(compact, cfg), LoGRAOptimizer(plain, cfg)
+    for step in range(5):
+        for t in opt_p._sketches.targets.values():
+            t.projection = t.projection  # store the fp32 matrix the signs stand for
+        train_steps(compact, opt_c, 1, seed0=step)
+        train_steps(plain, opt_p, 1, seed0=step)
+    for (n, a), b in zip(compact.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+    for name in opt_c.targets:
+        t = opt_c.sketch_target(name)
+        assert t.stored_projection.dtype == torch.int8
+        assert torch.equal(t.projection, make_projection(4, t.in_features, projection_seed(cfg.seed, 4, name)))
+    state_bytes = [sum(x.numel() * x.element_size() for x in o.memory_tensors()["optimizer"]) for o in (opt_c, opt_p)]
+    projection_bytes = sum(4 * opt_c.projection(n).numel() for n in opt_c.targets)
+    assert state_bytes[1] - state_bytes[0] == projection_bytes * 3 // 4

@@ -16,13 +16,14 @@ DEFAULT_TARGETS: tuple[str, ...] = (
 
 _FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _CHOICES = {
-    "distribution": ("rademacher", "gaussian"),
+    "distribution": ("rademacher", "gaussian", "orthogonal"),
     "optimizer": ("row_adam", "sgd"),
     "non_target": ("freeze", "adamw", "sketch"),
     "factor_dtype": tuple(_FACTOR_DTYPES),
     "momentum_refresh": ("transfer", "reset"),
     "second_moment": ("sketch", "momentum"),
     "trust_ratio": ("global", "layer"),
+    "column_scale": ("none", "input"),
 }
 
 #: Fields that decide the projections and the delta format. A rollout worker or a
@@ -39,7 +40,8 @@ class LoGRAConfig:
     Attributes:
         rank: rows ``r`` of every projection ``A`` (``[r, in]``).
         seed: base seed; projections are rebuilt from (seed, update index, layer name).
-        distribution: ``'rademacher'`` (±1/√r) or ``'gaussian'`` (N(0, 1/r)).
+        distribution: ``'rademacher'`` (±1/√r, paper), ``'gaussian'`` (N(0, 1/r)) or
+            ``'orthogonal'`` (orthonormal rows × √(in/r): ``AᵀA = I`` exactly at r = in).
         refresh: draw new projections after updates (paper) instead of keeping one.
         refresh_every: refresh after every k-th update (1 = every update).
         optimizer: ``'row_adam'`` (one second moment per output row) or ``'sgd'``.
@@ -73,11 +75,20 @@ class LoGRAConfig:
         trust_ratio: ``'global'`` (paper: one ‖ΔW‖/‖W‖ = ``update_ratio`` over all targets
             together) or ``'layer'`` (each target's ‖ΔW_l‖ = ``update_ratio``·‖W_l‖, LARS/LAMB
             style). Only in ``update_ratio`` mode.
+        column_scale: ``'none'`` (paper) or ``'input'``: precondition each target's input
+            side through its projection (not in the paper). The projection in force is
+            ``A·diag(c)`` with ``c_j = (C_j / mean(C) + 0.1)^(-1/4)``, where ``C_j`` is a running
+            mean (decay ``beta2`` per update) of the squared input of channel ``j``; ``c`` is
+            recomputed at every projection refresh and sent in each `PolicyDelta`. The sketch
+            stays exact for the projection used, and the update approximates
+            ``D_row·G·diag(c²)``: RowAdam's rows times an input-channel (K-FAC-diagonal)
+            column factor, like Adafactor's factored second moment. Cost: one ``[in]``
+            vector per target and one reduction of ``x²`` per forward.
     """
 
     rank: int = 256
     seed: int = 42
-    distribution: Literal["rademacher", "gaussian"] = "rademacher"
+    distribution: Literal["rademacher", "gaussian", "orthogonal"] = "rademacher"
     refresh: bool = True
     refresh_every: int = 1
     optimizer: Literal["row_adam", "sgd"] = "row_adam"
@@ -95,6 +106,7 @@ class LoGRAConfig:
     momentum_refresh: Literal["transfer", "reset"] = "transfer"
     second_moment: Literal["sketch", "momentum"] = "sketch"
     trust_ratio: Literal["global", "layer"] = "global"
+    column_scale: Literal["none", "input"] = "none"
 
     def __post_init__(self) -> None:
         self.target_modules = tuple(self.target_modules)

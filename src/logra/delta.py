@@ -24,6 +24,7 @@ from .errors import DeltaMismatchError
 from .projection import make_projection, projection_seed, stable_name
 
 _STEP_ATTR = "_logra_policy_step"
+_SCALE_KEY = "column_scale:"  # safetensors key prefix of a column-scale vector
 
 
 @dataclass
@@ -37,6 +38,9 @@ class PolicyDelta:
         factors: per target stable name, ``U`` with ``ΔW = -U A``.
         decay: decoupled weight decay applied first, ``W *= 1 - decay`` (0 = none).
         checksum: optional digest of the sender's target weights after the update.
+        metadata: free-form JSON-serialisable annotations.
+        column_scales: per target, the column scales ``c`` (``[in]`` fp32) of its projection
+            ``A·diag(c)`` (``LoGRAConfig.column_scale='input'``); absent targets use ``A``.
     """
 
     step: int
@@ -46,11 +50,13 @@ class PolicyDelta:
     decay: float = 0.0
     checksum: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    column_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the factors (the payload; seeds and names are negligible)."""
-        return sum(u.numel() * u.element_size() for u in self.factors.values())
+        """Bytes of the factors and column scales (the payload; seeds and names are negligible)."""
+        tensors = list(self.factors.values()) + list(self.column_scales.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def to_bytes(self) -> bytes:
         """Serialise (safetensors: factors as tensors, the rest as JSON metadata)."""
@@ -59,6 +65,7 @@ class PolicyDelta:
             "decay": self.decay, "checksum": self.checksum, "metadata": self.metadata,
         }
         tensors = {name: u.detach().contiguous().cpu() for name, u in self.factors.items()}
+        tensors.update({_SCALE_KEY + name: c.detach().contiguous().cpu() for name, c in self.column_scales.items()})
         return _st_save(tensors, metadata={"logra": json.dumps(header)})
 
     @classmethod
@@ -69,7 +76,20 @@ class PolicyDelta:
         if "logra" not in meta:
             raise DeltaMismatchError("these bytes are not a serialised PolicyDelta")
         header = json.loads(meta["logra"])
-        return cls(factors=dict(_st_load(data)), **header)
+        tensors = _st_load(data)
+        factors = {k: v for k, v in tensors.items() if not k.startswith(_SCALE_KEY)}
+        scales = {k[len(_SCALE_KEY):]: v for k, v in tensors.items() if k.startswith(_SCALE_KEY)}
+        return cls(factors=factors, column_scales=scales, **header)
+
+
+def delta_projection(delta: PolicyDelta, config: LoGRAConfig, name: str, in_features: int,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """The projection that was in force for target ``name`` when ``delta`` was made
+    (rebuilt from the seed, times the delta's column scales if it carries them)."""
+    seed = projection_seed(config.seed, delta.projection_index, name)
+    a = make_projection(config.rank, in_features, seed, config.distribution, device=device)
+    scale = delta.column_scales.get(name)
+    return a if scale is None else a.mul_(scale.to(a.device))
 
 
 def merge_update(weight: torch.Tensor, u: torch.Tensor, projection: torch.Tensor, decay: float) -> None:
@@ -132,7 +152,6 @@ def apply_delta(model: nn.Module, delta: PolicyDelta, config: LoGRAConfig) -> No
     with torch.no_grad():
         for name, u in delta.factors.items():
             w = params[name]
-            seed = projection_seed(config.seed, delta.projection_index, name)
-            a = make_projection(config.rank, w.shape[1], seed, config.distribution, device=w.device)
+            a = delta_projection(delta, config, name, w.shape[1], w.device)
             merge_update(w, u.to(w.device), a, delta.decay)
     set_policy_step(model, delta.step + 1)

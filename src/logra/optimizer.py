@@ -23,7 +23,7 @@ from torch import nn
 from .config import LoGRAConfig
 from .delta import PolicyDelta, merge_update, set_policy_step
 from .errors import NonFiniteSketchError, StaleProposalError
-from .projection import make_projection, projection_index, projection_seed
+from .projection import make_projection, projection_index, projection_seed, rademacher_signs
 from .sketch import SketchSet, SketchTarget
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -50,6 +50,11 @@ def row_adam_direction(
     if d_norm > 0:
         d = d * (s_norm / d_norm)
     return d, v_new
+
+
+def _gram(a: torch.Tensor) -> torch.Tensor:
+    """``A Aᵀ`` (``[r, r]``)."""
+    return a @ a.T
 
 
 def _sketch_update_sq_norm(d: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
@@ -102,7 +107,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, config: LoGRAConfig | None = None) -> None:
         self.config = config = config or LoGRAConfig()
         self.model = model
-        self._sketches = SketchSet(model, config.target_modules, config.rank, config.non_target == "sketch")
+        self._sketches = SketchSet(model, config.target_modules, config.rank, config.non_target == "sketch",
+                                   input_statistics=config.column_scale == "input")
         targets = self._sketches.targets
         low_precision = [n for n, t in targets.items() if t.weight.dtype in (torch.bfloat16, torch.float16)]
         if low_precision:
@@ -136,7 +142,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._momentum: torch.Tensor | None = None
         self._momentum_steps = 0  # updates folded into the momentum since it was last zeroed
         if config.beta1 > 0:
-            self._momentum = torch.zeros_like(self._sketches.buffer)
+            self._momentum = torch.zeros_like(self._sketches.sketch_rows)
+        # column_scale='input': per target, a running mean of its squared inputs per channel
+        # (targets read only as embeddings see no input vectors and keep c = 1).
+        self._input_means = {n: torch.zeros_like(t.input_sq) for n, t in targets.items() if t.input_sq is not None}
+        self._input_updates = 0
+        self._column_scales: dict[str, torch.Tensor] = {}  # the c of the projections in force
         self._projection_index: int | None = None
         self._refresh_projections()
 
@@ -148,7 +159,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     @property
     def sketch_buffer(self) -> torch.Tensor:
-        """The shared ``[Σ out, r]`` fp32 buffer of all sketches (for all-reduce)."""
+        """The shared ``[Σ out, r]`` fp32 buffer of all sketches, the one tensor data
+        parallelism all-reduces (with ``column_scale='input'`` a few more rows hold the
+        summed input statistics)."""
         return self._sketches.buffer
 
     @property
@@ -175,7 +188,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         The sketch buffer replaces gradients; second moments and projections are state.
         """
         targets = self._sketches.targets.values()
-        state = list(self._second_moments.values()) + [t.projection for t in targets]
+        state = list(self._second_moments.values()) + [t.stored_projection for t in targets]
+        state += list(self._input_means.values()) + list(self._column_scales.values())
         if self._momentum is not None:
             state.append(self._momentum)
         if self._dense is not None:
@@ -219,7 +233,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 f"non-finite gradient sketch before update {self._step} (NaN/Inf loss?); nothing was changed")
         group = self.param_groups[0]
         targets = self._sketches.targets
-        grams = {n: t.projection @ t.projection.T for n, t in targets.items()}
+        grams = {n: _gram(t.projection) for n, t in targets.items()}
         sq = sum(_sketch_update_sq_norm(t.sketch, grams[n]) for n, t in targets.items())
         sq = sq + sum(g.square().sum() for g in dense_grads)
         sketch_norm = math.sqrt(max(float(sq), 0.0))
@@ -302,8 +316,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._second_moments.update(proposal._second_moments)
         if proposal._beta1 is not None:
             beta1 = proposal._beta1
-            self._momentum.mul_(beta1).add_(self._sketches.buffer, alpha=(1.0 - beta1) * proposal._clip)
+            self._momentum.mul_(beta1).add_(self._sketches.sketch_rows, alpha=(1.0 - beta1) * proposal._clip)
             self._momentum_steps += 1
+        if self._input_means:
+            self._fold_input_statistics(self.param_groups[0]["beta2"])
         if self._dense is not None:
             group = self._dense.param_groups[0]
             lr = group["lr"]
@@ -319,6 +335,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         delta = PolicyDelta(
             step=self._step, projection_index=self._projection_index,
             sync=self.config.sync_fields(), factors=factors, decay=decay,
+            column_scales=dict(self._column_scales),
         )
         self._step += 1
         set_policy_step(self.model, self._step)
@@ -336,9 +353,32 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return loss
 
     # ------------------------------------------------------------------ state
-    def _refresh_projections(self, carry_momentum: bool = False) -> None:
+    def _fold_input_statistics(self, beta: float) -> None:
+        """Fold this update's mean squared inputs into the running means; reset the sums."""
+        for name, mean in self._input_means.items():
+            target = self._sketches.targets[name]
+            count = float(target.input_count)
+            if count:
+                mean.mul_(beta).add_(target.input_sq, alpha=(1.0 - beta) / count)
+        self._input_updates += 1  # the sums are zeroed with the sketches
+
+    def _next_column_scales(self) -> dict[str, torch.Tensor]:
+        """``c = (C / mean(C) + 0.1)^(-1/4)`` per target from the bias-corrected running means."""
+        if not self._input_updates:
+            return {}
+        correction = 1.0 - self.param_groups[0]["beta2"] ** self._input_updates
+        scales = {}
+        for name, mean in self._input_means.items():
+            c = mean / correction
+            # the floor keeps silent channels from amplifying the projection's noise without bound
+            scales[name] = (c / c.mean().clamp_min(_TINY)).add_(0.1).pow_(-0.25)
+        return scales
+
+    def _refresh_projections(self, carry_momentum: bool = False,
+                             scales: dict[str, torch.Tensor] | None = None) -> None:
         """Install the projections in force now; with ``carry_momentum``, move the first
-        moment into the new projections (``M ← M·(A_old A_newᵀ)``) or zero it."""
+        moment into the new projections or zero it. ``scales`` (default: computed from the
+        input statistics) are the column scales ``c`` of the new projections ``A·diag(c)``."""
         index = projection_index(self._step, self.config.refresh, self.config.refresh_every)
         if index == self._projection_index:
             return
@@ -348,14 +388,27 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self._momentum.zero_()
             self._momentum_steps = 0
             momenta = {}
+        scales = self._next_column_scales() if scales is None else scales
         for name, target in self._sketches.targets.items():
             seed = projection_seed(cfg.seed, index, name)
             old = target.projection
-            target.projection = make_projection(cfg.rank, target.in_features, seed, cfg.distribution,
-                                                target.weight.device)
+            if cfg.distribution == "rademacher" and name not in scales:
+                # int8 signs: a quarter of the memory, and `projection` rebuilds the same fp32 bits
+                target.projection = rademacher_signs(cfg.rank, target.in_features, seed, target.weight.device)
+                new = target.projection if name in momenta else None
+            else:
+                new = make_projection(cfg.rank, target.in_features, seed, cfg.distribution, target.weight.device)
+                if name in scales:
+                    new.mul_(scales[name])
+                target.projection = new
             if name in momenta:
+                # M reconstructs G·diag(c_old²) through A_old·diag(c_old); its sketch under the
+                # new projection is M·(A_old diag(c_old)⁻¹)(A_new diag(c_new))ᵀ = M·(A_old A_newᵀ) at c = 1.
+                if name in self._column_scales:
+                    old = old / self._column_scales[name].square()
                 m = momenta[name]
-                m.copy_(m @ (old @ target.projection.T))
+                m.copy_(m @ (old @ new.T))
+        self._column_scales = scales
         self._projection_index = index
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -371,6 +424,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "second_moments": {n: v.clone() for n, v in self._second_moments.items()},
             "momentum": self._momentum.clone() if self._momentum is not None else None,
             "momentum_steps": self._momentum_steps,
+            "input_means": {n: v.clone() for n, v in self._input_means.items()},
+            "input_updates": self._input_updates,
+            "column_scales": {n: v.clone() for n, v in self._column_scales.items()},
             "non_target": self._dense.state_dict() if self._dense is not None else None,
         }
 
@@ -398,8 +454,17 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self._dense.load_state_dict(state_dict["non_target"])
         self._step = state_dict["num_updates"]
         set_policy_step(self.model, self._step)
+        if set(state_dict.get("input_means", {})) != set(self._input_means):
+            raise ValueError("optimizer state and this optimizer disagree on column_scale")
+        for name, mean in state_dict.get("input_means", {}).items():
+            self._input_means[name].copy_(mean)
+        self._input_updates = state_dict.get("input_updates", 0)
         self._sketches.zero_()
-        self._refresh_projections()
+        # the saved scales, not fresh ones: they define the projection in force
+        self._projection_index = None
+        targets = self._sketches.targets
+        scales = {n: c.to(targets[n].weight.device) for n, c in state_dict.get("column_scales", {}).items()}
+        self._refresh_projections(scales=scales)
 
     def remove(self) -> None:
         """Uninstall the sketches: target weights get their normal forward and gradients back."""

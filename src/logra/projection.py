@@ -42,6 +42,20 @@ def projection_seed(base_seed: int, index: int, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
+def rademacher_signs(rank: int, in_features: int, seed: int,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``[rank, in_features]`` int8 signs (±1) of a Rademacher projection: the
+    projection `make_projection` draws with the same seed is these signs times 1/√rank."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    signs = torch.randint(0, 2, (rank, in_features), generator=gen, dtype=torch.int8).mul_(2).sub_(1)
+    return signs.to(device) if device is not None else signs
+
+
+def signs_to_projection(signs: torch.Tensor) -> torch.Tensor:
+    """fp32 projection ``signs / √rank`` from `rademacher_signs` (bitwise `make_projection`'s)."""
+    return signs.to(torch.float32).mul_(1.0 / math.sqrt(signs.shape[0]))
+
+
 def make_projection(
     rank: int,
     in_features: int,
@@ -51,14 +65,25 @@ def make_projection(
 ) -> torch.Tensor:
     """Draw one fp32 projection ``[rank, in_features]`` with ``E[AᵀA] = I``.
 
-    Rademacher entries are ±1/√rank, Gaussian entries N(0, 1/rank).
+    Rademacher entries are ±1/√rank, Gaussian entries N(0, 1/rank). ``'orthogonal'`` rows
+    are orthonormal, scaled by √(in/rank): ``AᵀA`` is then exactly the identity at
+    ``rank == in_features`` (the sketch loses nothing) and an unbiased estimate of it below.
+    They come from a float64 QR decomposition, so unlike the other two they are bitwise
+    equal across machines only where the LAPACK library agrees (same torch build).
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     if distribution == "rademacher":
-        a = torch.randint(0, 2, (rank, in_features), generator=gen, dtype=torch.int8)
-        a = (a.to(torch.float32) * 2.0 - 1.0).mul_(1.0 / math.sqrt(rank))
+        a = signs_to_projection(rademacher_signs(rank, in_features, seed))
     elif distribution == "gaussian":
         a = torch.randn(rank, in_features, generator=gen, dtype=torch.float32).mul_(1.0 / math.sqrt(rank))
+    elif distribution == "orthogonal":
+        if rank > in_features:
+            raise ValueError(f"orthogonal projections need rank <= in_features, got {rank} > {in_features}")
+        g = torch.randn(in_features, rank, generator=gen, dtype=torch.float64)
+        q, r = torch.linalg.qr(g)
+        # sign fix: makes Q unique (Haar-distributed) whatever sign convention LAPACK uses
+        q = q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()))
+        a = (q.T * math.sqrt(in_features / rank)).to(torch.float32)
     else:
-        raise ValueError(f"unknown projection distribution {distribution!r} (rademacher | gaussian)")
+        raise ValueError(f"unknown projection distribution {distribution!r} (rademacher | gaussian | orthogonal)")
     return a.to(device) if device is not None else a

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .projection import stable_name
+from .projection import signs_to_projection, stable_name
 
 _REGEX_CHARS = set("^$*+?[](){}|\\")
 
@@ -38,20 +38,36 @@ class SketchTarget:
         name: stable parameter name (wrapper prefixes removed); keys seeds and deltas.
         weight: the parameter (``requires_grad=False`` while sketched).
         sketch: ``[out, r]`` fp32 view into the shared sketch buffer.
-        projection: ``[r, in]`` fp32 projection currently in force (set by the optimizer).
+        stored_projection: the projection in force as stored (set by the optimizer): an
+            fp32 ``[r, in]`` matrix, or the int8 signs of a Rademacher projection (1 byte per
+            entry instead of 4; `projection` rebuilds the fp32 matrix when it is used).
         modules: the modules that read this weight (two for tied embeddings).
     """
 
     name: str
     weight: nn.Parameter
     sketch: torch.Tensor
-    projection: torch.Tensor | None = None
+    stored_projection: torch.Tensor | None = None
     modules: list[nn.Module] = field(default_factory=list)
+    # Σ over tokens of x² per input channel ([in]) and the token count ([1]), views into
+    # the shared buffer, while input statistics are collected; None otherwise.
+    input_sq: torch.Tensor | None = None
+    input_count: torch.Tensor | None = None
     # (eps, D, decay) while a forward-mode KL probe perturbs this target.
     _probe: tuple[torch.Tensor, torch.Tensor, float] | None = None
     # A leaf that requires grad, so autograd runs our backward even when nothing
     # upstream of the layer is trainable (frozen embeddings).
     _anchor: torch.Tensor = field(default_factory=lambda: torch.zeros((), requires_grad=True))
+
+    @property
+    def projection(self) -> torch.Tensor | None:
+        """The ``[r, in]`` fp32 projection in force (a fresh tensor when stored as signs)."""
+        a = self.stored_projection
+        return a if a is None or a.dtype != torch.int8 else signs_to_projection(a)
+
+    @projection.setter
+    def projection(self, value: torch.Tensor | None) -> None:
+        self.stored_projection = value
 
     @property
     def out_features(self) -> int:
@@ -67,6 +83,11 @@ class SketchTarget:
 class _SketchedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, anchor, weight, target):
+        if target.input_sq is not None:
+            flat = x.detach().reshape(-1, x.shape[-1])
+            # a fused fp32 reduction: no [N, in] temporary
+            target.input_sq.add_(torch.linalg.vector_norm(flat, dim=0, dtype=torch.float32).square())
+            target.input_count.add_(flat.shape[0])
         y = F.linear(x, weight)
         p = F.linear(x, target.projection.to(x.dtype))
         ctx.save_for_backward(p, weight)
@@ -206,10 +227,14 @@ class SketchSet:
     """The sketched targets of one model and their shared fp32 sketch buffer.
 
     Installing re-routes each target module's forward (see the module docstring) and
-    sets ``requires_grad=False`` on its weight; `remove` undoes both.
+    sets ``requires_grad=False`` on its weight; `remove` undoes both. With
+    ``input_statistics``, every target read by an ``nn.Linear`` also sums the squares of
+    its inputs per channel and counts its tokens, in trailing rows of the same buffer, so
+    one all-reduce of `buffer` still carries everything a data-parallel update needs.
     """
 
-    def __init__(self, model: nn.Module, patterns: tuple[str, ...], rank: int, embeddings: bool = False) -> None:
+    def __init__(self, model: nn.Module, patterns: tuple[str, ...], rank: int, embeddings: bool = False,
+                 input_statistics: bool = False) -> None:
         groups = find_targets(model, patterns, embeddings)
         weights = {name: modules[0][1].weight for name, modules in groups.items()}
         devices = {w.device for w in weights.values()}
@@ -228,15 +253,26 @@ class SketchSet:
                 stacklevel=3,
             )
         total = sum(w.shape[0] for w in weights.values())
+        readers = {n for n, modules in groups.items() if any(isinstance(m, nn.Linear) for _, m in modules)}
+        stats = sum(weights[n].shape[1] + 1 for n in readers) if input_statistics else 0
         self.rank = rank
-        self.buffer = torch.zeros(total, rank, dtype=torch.float32, device=devices.pop())
+        #: ``[Σ out (+ statistics rows), r]``: every sketch, then the input statistics if any.
+        self.buffer = torch.zeros(total + -(-stats // rank), rank, dtype=torch.float32, device=devices.pop())
+        #: the ``[Σ out, r]`` rows holding the sketches
+        self.sketch_rows = self.buffer[:total]
         self.targets: dict[str, SketchTarget] = {}
+        stat_flat, stat_offset = self.buffer[total:].view(-1), 0
         offset = 0
         for name, modules in groups.items():
             w = weights[name]
             view = self.buffer[offset: offset + w.shape[0]]
             offset += w.shape[0]
             target = SketchTarget(name, w, view, modules=[m for _, m in modules])
+            if stats and name in readers:
+                n_in = w.shape[1]
+                target.input_sq = stat_flat[stat_offset: stat_offset + n_in]
+                target.input_count = stat_flat[stat_offset + n_in: stat_offset + n_in + 1]
+                stat_offset += n_in + 1
             self.targets[name] = target
             w.requires_grad_(False)
             w.grad = None
@@ -254,7 +290,7 @@ class SketchSet:
                 del module._logra_target
 
     def zero_(self) -> None:
-        """Zero every sketch (one fill of the shared buffer)."""
+        """Zero every sketch and input statistic (one fill of the shared buffer)."""
         self.buffer.zero_()
 
     @contextmanager

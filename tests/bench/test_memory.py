@@ -57,9 +57,11 @@ def test_quick_benchmark_table_and_gradient_bytes(tmp_path, capsys):
     sketch_bytes = _target_rows() * RANK * 4
     assert freeze["trainable_params"] == 0
     assert freeze["peak_by_category"]["gradients"] == sketch_bytes
-    # State: one fp32 second moment per row plus one [r, in] fp32 projection per target.
+    # State: one fp32 second moment per row plus one [r, in] projection per target, stored
+    # as int8 Rademacher signs.
     in_sum = LAYERS * (6 * HIDDEN + INTER)
-    assert freeze["peak_by_category"]["optimizer"] >= (_target_rows() + RANK * in_sum) * 4
+    assert freeze["projection_bytes"] == RANK * in_sum
+    assert freeze["peak_by_category"]["optimizer"] >= _target_rows() * 4 + RANK * in_sum
 
     sk = results["logra-sketch"]
     sketch_bytes_emb = (_target_rows() + 2 * VOCAB) * RANK * 4  # + embedding and lm_head sketches

@@ -5,6 +5,7 @@ See `logra.parallel` for the protocol; `logra.parallel.worker` is the other end.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -254,8 +255,7 @@ class PolicyPublisher:
         bad = dict(delta.factors)
         bad[name] = bad[name].clone()
         bad[name].view(-1)[0] += 1.0
-        wrong = PolicyDelta(delta.step, delta.projection_index, delta.sync, bad, delta.decay, delta.checksum,
-                            delta.metadata)
+        wrong = dataclasses.replace(delta, factors=bad)
         return Message(message.kind, message.header, [wrong.to_bytes()] + message.blobs[1:])
 
     def publish(self, delta: PolicyDelta, mode: str = "delta") -> PublishReport:

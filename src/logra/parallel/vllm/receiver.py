@@ -22,9 +22,8 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ...config import LoGRAConfig
-from ...delta import PolicyDelta, merge_update
+from ...delta import PolicyDelta, delta_projection, merge_update
 from ...errors import ChecksumMismatchError, DeltaGapError, DeltaMismatchError, LayoutError, NeedsResyncError
-from ...projection import make_projection, projection_seed
 from .layout import FusedLayout, Slot, copy_into_fused, fuse_state_dict, plan_copy
 
 
@@ -145,8 +144,7 @@ def apply_delta_fused(fused: Mapping[str, torch.Tensor], delta: PolicyDelta, con
         w = s.fused_part(fused[s.fused_name])
         if w.numel() == 0:  # a vocab shard made only of padding rows
             continue
-        a = make_projection(config.rank, s.hf_shape[1], projection_seed(config.seed, delta.projection_index, name),
-                            config.distribution)
+        a = delta_projection(delta, config, name, s.hf_shape[1])
         if tuple(w.shape) == s.hf_shape:
             merge_update(w, u.to(w.device), a.to(w.device), delta.decay)
         elif strategy == "full":
