@@ -396,7 +396,9 @@ def controlled_update(
     ``apply`` is what takes the step (``optimizer.apply(proposal, α)`` for LoGRA,
     ``proposal.apply(α)`` for a `DenseProposal`); its result is returned with the
     statistics. ``reduce`` sums lists of floats over data-parallel ranks, so every rank
-    gets the same pooled prediction and ``α``. Without a controller (or probe) ``α = 1``.
+    gets the same pooled prediction and ``α``; with it every rank takes part in the
+    reductions, one without a probe adding nothing. Without a controller (or a probe on
+    any rank) ``α = 1``.
 
     Returns:
         ``(apply's result, stats)``; stats holds ``alpha``, ``time_kl`` and, where measured,
@@ -412,21 +414,29 @@ def controlled_update(
     stats: dict[str, float] = {}
     alpha = 1.0
     t0 = time.perf_counter()
-    if controller is not None and probe is not None:
-        kl = predicted_kl(model, proposal, *probe, temperature=temperature, max_tokens=max_tokens, chunk=chunk)
+    # With `reduce`, a rank without a probe still joins the collectives (or the others would wait forever).
+    pooled = probe is not None or reduce is not None
+    if controller is not None and pooled:
+        kl = 0.0 if probe is None else predicted_kl(
+            model, proposal, *probe, temperature=temperature, max_tokens=max_tokens, chunk=chunk)
         kl_sum, n_sum = pool([kl * n, n])
-        alpha = controller.scale(kl_sum / n_sum, step)
-        stats.update(controller.last)
+        if n_sum > 0:
+            alpha = controller.scale(kl_sum / n_sum, step)
+            stats.update(controller.last)
     stats["time_kl"] = time.perf_counter() - t0
     t1 = time.perf_counter()
-    before = probe_logits(model, *probe, max_tokens=max_tokens) if measure_realized and probe is not None else None
+    measure = measure_realized and pooled
+    before = probe_logits(model, *probe, max_tokens=max_tokens) if measure and probe is not None else None
     t2 = time.perf_counter()
     result = apply(alpha)
     t3 = time.perf_counter()
-    if before is not None:
-        after = probe_logits(model, *probe, max_tokens=max_tokens)
-        real_sum, n_sum = pool([realized_kl(before, after, temperature) * n, n])
-        stats["realized_kl"] = real_sum / n_sum
+    if measure:
+        real = 0.0
+        if before is not None:
+            real = realized_kl(before, probe_logits(model, *probe, max_tokens=max_tokens), temperature) * n
+        real_sum, n_sum = pool([real, n])
+        if n_sum > 0:
+            stats["realized_kl"] = real_sum / n_sum
         stats["time_check"] = (t2 - t1) + (time.perf_counter() - t3)
     stats["alpha"] = alpha
     return result, stats

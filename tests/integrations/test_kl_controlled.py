@@ -1,9 +1,12 @@
-"""`KLControlledLoGRA` built from the one `KLControlConfig` that `logra train` uses too."""
+"""`KLControlledLoGRA`: built from the one `KLControlConfig` that `logra train` uses too; pooled over ranks."""
 
 from __future__ import annotations
 
-from conftest import tiny_qwen2
-from logra import LoGRAConfig
+import pytest
+import torch
+
+from conftest import tiny_qwen2, token_batch
+from logra import KLController, LoGRAConfig, LoGRAError
 from logra.integrations import KLControlledLoGRA
 from logra.kl import KLControlConfig
 
@@ -16,3 +19,43 @@ def test_from_config_takes_the_controller_and_probe_settings():
     assert opt.probe_max_tokens == 77 and opt.temperature == 0.7
     off = KLControlledLoGRA.from_config(tiny_qwen2(), LoGRAConfig(rank=4), KLControlConfig(enabled=False), 50)
     assert off.controller is None
+
+
+def _pooled_with(calls: list[list[float]], *others: list[float]):
+    """A `reduce` for one rank of two: adds the other rank's values, call by call."""
+    it = iter(others)
+
+    def reduce(values: list[float]) -> list[float]:
+        calls.append(list(values))
+        return [a + b for a, b in zip(values, next(it), strict=True)]
+
+    return reduce
+
+
+def test_a_rank_without_a_probe_joins_the_pooled_reductions():
+    """Data parallel: a rank whose micro-batches gave no probe takes part in every reduction
+    (no rank is left waiting) and applies the α of the other ranks' probes."""
+    model = tiny_qwen2()
+    calls: list[list[float]] = []
+    # the other rank: has a probe; predicted KL 4e-4 and realised KL 1e-4 over 10 positions
+    reduce = _pooled_with(calls, [1.0], [4e-4 * 10, 10], [1e-4 * 10, 10])
+    opt = KLControlledLoGRA(model, LoGRAConfig(rank=4), KLController(budget=1e-4, schedule="constant"), reduce=reduce)
+    model(**token_batch(97)).loss.backward()
+    weights = opt.param_groups[0]["params"]
+    before = [p.clone() for p in weights]
+    opt.step()  # no set_probe on this rank
+    assert calls == [[0.0], [0.0, 0], [0.0, 0]]
+    assert opt.last_stats["predicted_kl"] == pytest.approx(4e-4)
+    assert opt.last_stats["alpha"] == pytest.approx(0.5)  # sqrt(budget / predicted)
+    assert opt.last_stats["realized_kl"] == pytest.approx(1e-4)
+    assert opt.num_updates == 1 and any(not torch.equal(p, b) for p, b in zip(weights, before, strict=True))
+
+
+def test_no_probe_on_any_rank_is_refused_on_every_rank():
+    model = tiny_qwen2()
+    calls: list[list[float]] = []
+    opt = KLControlledLoGRA(model, LoGRAConfig(rank=4), KLController(), reduce=_pooled_with(calls, [0.0]))
+    model(**token_batch(97)).loss.backward()
+    with pytest.raises(LoGRAError, match="set_probe"):
+        opt.step()
+    assert calls == [[0.0]] and opt.num_updates == 0

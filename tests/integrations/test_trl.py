@@ -28,6 +28,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from logra import KLController, LoGRAConfig, LoGRAError  # noqa: E402
 from logra.integrations import KLControlledLoGRA  # noqa: E402
+from logra.integrations import trl as trl_integration  # noqa: E402
 from logra.integrations.trl import LoGRAGRPOTrainer  # noqa: E402
 from logra.rl.tiny import byte_tokenizer  # noqa: E402
 
@@ -83,9 +84,8 @@ class _FirstStep(TrainerCallback):
             self.record = {n: p.grad.clone() for n, p in self.trainer.model.named_parameters() if p.grad is not None}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_qwen2")
+def save_tiny_model(path: Path) -> Path:
+    """Save the tiny random Qwen2 and its byte tokenizer at ``path`` (loaded by path, as a user would)."""
     tok = byte_tokenizer()
     torch.manual_seed(0)
     cfg = Qwen2Config(
@@ -96,6 +96,11 @@ def model_dir(tmp_path_factory) -> Path:
     Qwen2ForCausalLM(cfg).float().save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"))
 
 
 @pytest.fixture(scope="module")
@@ -237,13 +242,16 @@ def test_trl_clipping_moved_to_logra_with_a_warning(model_dir, tmp_path):
     assert args.max_grad_norm == 0.0
 
 
-@pytest.mark.parametrize("case", ["use_vllm", "fp16", "optimizer", "peft", "non_target_sketch", "world_size"])
+@pytest.mark.parametrize(
+    "case", ["use_vllm", "fp16", "optimizer", "peft", "non_target_sketch", "deepspeed", "fsdp", "sharded"])
 def test_conflicting_settings_are_refused(case, model_dir, tmp_path, monkeypatch):
+    """Each refusal says what to do instead. Plain DDP is supported (test_trl_ddp.py); sharding is not."""
     kwargs = dict(model=str(model_dir), reward_funcs=digits, train_dataset=_dataset())
     args = _args(tmp_path)
     expect = {
         "use_vllm": "use_vllm=False", "fp16": "bf16=True", "optimizer": "logra_config=LoGRAConfig",
-        "peft": "drop peft_config", "non_target_sketch": "non_target='freeze'", "world_size": "logra.parallel",
+        "peft": "drop peft_config", "non_target_sketch": "non_target='freeze'", "deepspeed": "plain data parallel",
+        "fsdp": "plain data parallel", "sharded": "plain data parallelism (DDP) only",
     }[case]
     if case == "use_vllm":
         args.use_vllm = True
@@ -257,8 +265,13 @@ def test_conflicting_settings_are_refused(case, model_dir, tmp_path, monkeypatch
         kwargs["peft_config"] = LoraConfig(r=4, target_modules=["q_proj"])
     elif case == "non_target_sketch":
         kwargs["logra_config"] = LoGRAConfig(rank=8, non_target="sketch")
-    else:
-        monkeypatch.setattr(GRPOConfig, "world_size", property(lambda self: 2))
+    elif case == "deepspeed":
+        args.deepspeed = {"zero_optimization": {"stage": 2}}
+    elif case == "fsdp":
+        args.fsdp = ["full_shard"]
+    else:  # several processes, but accelerate shards (e.g. an FSDP or tensor-parallel accelerate config)
+        monkeypatch.setattr(LoGRAGRPOTrainer, "_data_parallel", property(lambda self: True))
+        monkeypatch.setattr(trl_integration, "_plain_data_parallel", lambda accelerator: False)
     with pytest.raises(ValueError, match="LoGRA") as info:
         LoGRAGRPOTrainer(args=args, **kwargs)
     assert expect in str(info.value)

@@ -50,6 +50,11 @@ class KLControlledLoGRA(LoGRAOptimizer):
     framework that checkpoints ``optimizer.state_dict()`` (HF ``Trainer``'s
     ``optimizer.pt``) saves and restores it without knowing about it.
 
+    Data parallel: all-reduce the sketches before ``step()``
+    (`logra.parallel.allreduce_sketches`) and pass ``reduce`` (e.g.
+    `logra.parallel.sum_over_ranks`); each rank sets its own probe, the KL sums are pooled
+    over ranks and every rank applies the same ``α``.
+
     Attributes:
         controller: the `KLController` (or None: no KL control).
         temperature: sampling temperature of the policy (logits are divided by it).
@@ -57,6 +62,7 @@ class KLControlledLoGRA(LoGRAOptimizer):
         probe_chunk: positions per chunk of the float64 Fisher quadratic.
         measure_realized_kl: also log the exact KL on the probe before/after the step
             (two extra forward passes over the probe).
+        reduce: sums a list of floats over data-parallel ranks (None: one process).
         last_stats: the statistics of the last step (keys in `STAT_KEYS`).
         last_delta: the `PolicyDelta` of the last step, for rollout engines.
     """
@@ -71,6 +77,7 @@ class KLControlledLoGRA(LoGRAOptimizer):
         probe_max_tokens: int = 4096,
         probe_chunk: int = 64,
         measure_realized_kl: bool = True,
+        reduce: Callable[[list[float]], list[float]] | None = None,
     ) -> None:
         super().__init__(model, config)
         if temperature <= 0:
@@ -80,6 +87,7 @@ class KLControlledLoGRA(LoGRAOptimizer):
         self.probe_max_tokens = probe_max_tokens
         self.probe_chunk = probe_chunk
         self.measure_realized_kl = measure_realized_kl
+        self.reduce = reduce
         self.last_stats: dict[str, float] = {}
         self.last_delta: PolicyDelta | None = None
         self._probe: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
@@ -122,7 +130,8 @@ class KLControlledLoGRA(LoGRAOptimizer):
         """One KL-controlled update: propose → predicted KL → α → apply.
 
         Raises:
-            LoGRAError: KL control is on, the proposal is non-zero and no probe was set.
+            LoGRAError: KL control is on, the proposal is non-zero and no probe was set
+                (with ``reduce``: on no rank; every rank raises).
             NonFiniteSketchError, KLPredictionError: as `propose` / `predicted_kl`
                 (nothing is changed).
         """
@@ -132,14 +141,18 @@ class KLControlledLoGRA(LoGRAOptimizer):
                 loss = closure()
         proposal = self.propose()
         probe, self._probe = self._probe, None
-        if self.controller is not None and probe is None and proposal.update_norm != 0.0:
+        missing = probe is None
+        if self.controller is not None and self.reduce is not None:
+            # Ranks decide together: one rank raising alone would leave the others waiting in a collective.
+            missing = self.reduce([float(not missing)])[0] == 0
+        if self.controller is not None and missing and proposal.update_norm != 0.0:
             raise LoGRAError(
                 "KL control needs a probe batch: call set_probe(input_ids, attention_mask, response_mask) "
                 "after the backward pass and before step(), or build the optimizer with controller=None")
         self.last_delta, control = controlled_update(
             self.model, proposal, lambda alpha: self.apply(proposal, alpha), self.controller, self.num_updates,
             probe, temperature=self.temperature, max_tokens=self.probe_max_tokens, chunk=self.probe_chunk,
-            measure_realized=self.measure_realized_kl)
+            measure_realized=self.measure_realized_kl, reduce=self.reduce)
         stats = {"sketch_norm": proposal.sketch_norm, "update_norm": proposal.update_norm}
         stats.update({k: v for k, v in control.items() if k in STAT_KEYS})
         self.last_stats = stats

@@ -34,6 +34,16 @@ How it hooks in (TRL 1.x / transformers 5.x):
   state (update count, RowAdam second moments, non-target AdamW state, KL controller)
   is in it, and ``train(resume_from_checkpoint=...)`` restores it. Projections are
   rebuilt from the seeds.
+- Several processes (``accelerate launch``, DDP): the model is NOT wrapped in
+  ``DistributedDataParallel``; the trainer reduces itself. At the last micro-batch of
+  each accumulation window the ``[Σ out, r]`` sketch buffer goes in one all-reduce (the
+  dense non-target gradients, ``non_target='adamw'``, in a second), averaged over ranks
+  as DDP averages ``.grad`` (TRL's losses are normalised for that mean). Each rank
+  keeps its own probe (``probe_responses`` per process); the probe's KL sums are
+  pooled over ranks, so every rank gets the same predicted KL and ``α`` and applies the
+  same step (the ranks stay bitwise identical; tested with 2 CPU processes over gloo).
+  At the start every rank takes rank 0's weights (as DDP does) and the ranks'
+  projections are checked to be identical (`logra.parallel.verify_projections`).
 
 Keep the weights in fp32 (TRL's default ``model_init_kwargs`` dtype) and use
 ``bf16=True`` for bf16 compute: updates of size ``update_ratio·‖W‖`` merged into bf16
@@ -62,10 +72,9 @@ Conflicts with TRL / HF Trainer and how they are handled:
   that path is untested with LoGRA, and shipping full weights discards what LoGRA's
   `PolicyDelta` (``U`` factors + seeds) saves. Rollouts in other processes: `logra.parallel`
   ships ``trainer.logra_optimizer.last_delta``.
-- More than one process (DDP, DeepSpeed, FSDP): refused. The sketched weights have no
-  ``.grad``, so DDP's gradient all-reduce never sees the sketches; data-parallel LoGRA
-  all-reduces the ``[Σ out, r]`` sketch buffer instead
-  (`logra.parallel.allreduce_sketches`).
+- DeepSpeed, FSDP, tensor/context parallelism: refused. They shard or reduce ``.grad``
+  of the weights, which the sketched weights do not have. Plain data parallelism (DDP
+  under ``accelerate launch``) works, see above.
 - Multimodal batches: the KL probe feeds token ids only, so it refuses images; pass
   ``kl_control=False`` there.
 - ``fp16=True``: refused. accelerate's GradScaler unscales ``.grad`` only, so the loss
@@ -78,20 +87,27 @@ Conflicts with TRL / HF Trainer and how they are handled:
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .._optional import require
 from ..config import LoGRAConfig
 from ..kl import KLControlConfig, KLController
+from ..parallel import allreduce_sketches, sum_over_ranks, verify_projections
 from . import STAT_KEYS, KLControlledLoGRA
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 _trl = require("trl")
 GRPOConfig, GRPOTrainer = _trl.GRPOConfig, _trl.GRPOTrainer
+DistributedType = require("accelerate.utils").DistributedType  # accelerate comes with trl
 
 __all__ = ["LoGRAGRPOTrainer"]
 
@@ -107,12 +123,12 @@ def _check_args(args: GRPOConfig, logra_config: LoGRAConfig) -> None:
             "saves. Set use_vllm=False (TRL generates with transformers on the trained weights). For rollouts in "
             "separate processes, logra.parallel (PolicyPublisher / RolloutWorker) ships each step's PolicyDelta "
             "(trainer.logra_optimizer.last_delta).")
-    if args.world_size > 1 or args.deepspeed or args.fsdp:
+    if args.deepspeed or args.fsdp:
         raise ValueError(
-            f"LoGRAGRPOTrainer runs in one process (world size {args.world_size}, deepspeed={bool(args.deepspeed)}, "
-            f"fsdp={bool(args.fsdp)}): the sketched weights have no .grad, so DDP/DeepSpeed/FSDP gradient reduction "
-            "never sees the sketches. For data-parallel LoGRA all-reduce the sketch buffer instead "
-            "(logra.parallel.allreduce_sketches), or launch a single process.")
+            f"LoGRAGRPOTrainer does not support deepspeed={bool(args.deepspeed)} / fsdp={bool(args.fsdp)}: the "
+            "sketched weights have no .grad for DeepSpeed/FSDP to shard or reduce. Use plain data parallelism "
+            "(accelerate launch without a DeepSpeed/FSDP config: LoGRA all-reduces its sketches itself), "
+            "or row-sharded LoGRA outside TRL (logra.parallel.RowShardedLoGRA).")
     if args.fp16:
         raise ValueError(
             "LoGRAGRPOTrainer does not support fp16=True: accelerate's GradScaler unscales .grad only, so the loss "
@@ -134,6 +150,22 @@ def _check_args(args: GRPOConfig, logra_config: LoGRAConfig) -> None:
             "scaled by the KL controller; non-target AdamW uses LoGRAConfig.non_target_lr.", stacklevel=3)
 
 
+def _plain_data_parallel(accelerator: Accelerator) -> bool:
+    """Whether accelerate runs plain data parallelism (what it would wrap in DDP), nothing sharded."""
+    ddp = accelerator.distributed_type == DistributedType.MULTI_CPU or accelerator.multi_device
+    pc = getattr(accelerator, "parallelism_config", None)
+    sharded = pc is not None and any(
+        getattr(pc, k, False) for k in ("tp_enabled", "cp_enabled", "sp_enabled", "dp_shard_enabled"))
+    return ddp and not sharded
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    """Every rank takes rank 0's parameters and buffers, as DDP's constructor does."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        dist.broadcast(t.detach(), src=0)
+
+
 class LoGRAGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` that trains with LoGRA and predicted-KL step control.
 
@@ -144,7 +176,8 @@ class LoGRAGRPOTrainer(GRPOTrainer):
         kl_controller: the step-size controller (default `KLController()`: the paper's
             budget schedule); ignored when ``kl_control`` is False.
         kl_control: scale every update to the KL budget; False: α = 1 always.
-        probe_responses: completions of the last micro-batch used as KL probe (paper: 2).
+        probe_responses: completions of the last micro-batch used as KL probe (paper: 2);
+            per process under DDP (the ranks' probes are pooled).
         probe_max_tokens: at most this many probe positions.
         kl_config: all KL-control settings in one `KLControlConfig` (as `logra train` takes
             them; ``schedule_steps=0`` = TRL's ``max_steps``); when given, it replaces
@@ -204,20 +237,72 @@ class LoGRAGRPOTrainer(GRPOTrainer):
         self._probe_max_tokens = probe_max_tokens
         self._measure_realized_kl = measure_realized_kl
         super().__init__(*bound.args[1:], **bound.kwargs)
-        if self.accelerator.num_processes > 1:
+        if self._data_parallel and not _plain_data_parallel(self.accelerator):
             raise ValueError(
-                f"LoGRAGRPOTrainer runs in one process, found {self.accelerator.num_processes}; for data-parallel "
-                "LoGRA all-reduce the sketch buffer (logra.parallel.allreduce_sketches).")
+                f"LoGRAGRPOTrainer supports plain data parallelism (DDP) only, not {self.accelerator.distributed_type} "
+                "or sharded parallelism (tensor/context/FSDP): the sketched weights have no .grad to shard or reduce. "
+                "Launch with accelerate's multi-GPU/multi-CPU (DDP) setting; LoGRA all-reduces its sketches itself "
+                "(logra.parallel.allreduce_sketches).")
+
+    @property
+    def _data_parallel(self) -> bool:
+        return self.accelerator.num_processes > 1
+
+    # ------------------------------------------------------------------ data parallelism
+    def create_accelerator_and_postprocess(self) -> None:
+        """HF's accelerator; with several processes it never wraps a model in DDP.
+
+        The trainer reduces the gradients itself instead (`training_step`): DDP's
+        all-reduce covers ``.grad`` only, which the sketched weights never get, and with
+        ``non_target='freeze'`` no parameter requires a gradient at all, so DDP refuses the
+        model (accelerate wraps CPU models without checking). Letting DDP reduce the dense
+        non-target gradients while LoGRA reduces the sketches would split one step's
+        reduction between two mechanisms; one place, two collectives, keeps it simple.
+        ``evaluation_mode=True`` is accelerate's own "prepare without the distributed
+        wrapper": device placement, autocast and ``torch.compile`` still apply.
+        """
+        super().create_accelerator_and_postprocess()
+        if self._data_parallel:
+            prepare_model = self.accelerator.prepare_model
+
+            def prepare_without_ddp(model: nn.Module, device_placement: bool | None = None,
+                                    evaluation_mode: bool = False) -> nn.Module:
+                return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+            self.accelerator.prepare_model = prepare_without_ddp
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """TRL's step; with several processes the last micro-batch of a window reduces its gradients.
+
+        One all-reduce of the sketch buffer (and one of the dense non-target gradients),
+        AVERAGED over ranks as DDP averages ``.grad``: TRL normalises each rank's loss so
+        that the mean over ranks is the loss of the global batch. Done here, before HF
+        measures ``grad_norm`` and steps the optimizer, where DDP would have synchronised.
+        """
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._data_parallel and self.accelerator.sync_gradients and self.logra_optimizer is not None:
+            allreduce_sketches(self.logra_optimizer, average=True)
+        return loss
 
     # ------------------------------------------------------------------ the optimizer
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """Build the `KLControlledLoGRA` on the model TRL trains (installs the sketches)."""
+        """Build the `KLControlledLoGRA` on the model TRL trains (installs the sketches).
+
+        With several processes (a collective: every rank calls it) the ranks first take
+        rank 0's weights, the KL probe's sums are pooled over ranks, and the ranks'
+        projections are checked to be identical.
+        """
         if self.optimizer is None:
             target = self.model if model is None else model
+            if self._data_parallel:
+                _broadcast_from_rank0(target)
             self.logra_optimizer = KLControlledLoGRA(
                 target, self.logra_config, self.kl_controller, temperature=self.temperature,
                 probe_max_tokens=self._probe_max_tokens, measure_realized_kl=self._measure_realized_kl,
+                reduce=sum_over_ranks if self._data_parallel else None,
             )
+            if self._data_parallel:
+                verify_projections(self.logra_optimizer)
             self.logra_optimizer.add_step_callback(self._record_logra_stats)
             self.optimizer = self.logra_optimizer
         return self.optimizer

@@ -61,6 +61,7 @@ from .data import (
     init_from_env,
     init_local,
     spawn_local,
+    sum_over_ranks,
     verify_projections,
 )
 from .fsdp import RowShardedLoGRA
@@ -74,5 +75,5 @@ __all__ = [
     "ProjectionMismatchError", "PublishReport", "RolloutWorker", "RowShardedLoGRA", "SyncError", "SyncTestHooks",
     "TrainerLostError", "WorkerRollout", "WorkerStatus", "allreduce_bytes", "allreduce_sketches",
     "count_loss_tokens", "decode_full_weights", "default_backend", "encode_full_weights", "global_token_count",
-    "init_from_env", "init_local", "load_full_weights", "spawn_local", "verify_projections",
+    "init_from_env", "init_local", "load_full_weights", "spawn_local", "sum_over_ranks", "verify_projections",
 ]

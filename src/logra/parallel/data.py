@@ -217,7 +217,22 @@ def global_token_count(local_count: int | torch.Tensor, group: dist.ProcessGroup
     return int(t.item())
 
 
-def allreduce_sketches(optimizer: LoGRAOptimizer, group: dist.ProcessGroup | None = None) -> None:
+def sum_over_ranks(values: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
+    """Sum a list of scalars over the ranks of ``group`` in float64 (one small all-reduce).
+
+    Without an initialised process group it returns ``values``. Used to pool the KL probe's
+    sums, so every rank gets the same predicted KL and step scale.
+    """
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=_collective_device(group, torch.device("cpu")))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t.tolist()
+
+
+def allreduce_sketches(
+    optimizer: LoGRAOptimizer, group: dist.ProcessGroup | None = None, *, average: bool = False
+) -> None:
     """Sum the sketches (and dense non-target gradients) of ``optimizer`` over all ranks.
 
     The whole ``[Σ out, r]`` fp32 sketch buffer goes in ONE all-reduce, in place. If the
@@ -226,10 +241,17 @@ def allreduce_sketches(optimizer: LoGRAOptimizer, group: dist.ProcessGroup | Non
     together with one flag per parameter so that a parameter without a gradient on every
     rank keeps ``grad=None`` (AdamW skips it) while one with a gradient on some ranks
     gets the sum. Call it after the last backward of the update, before ``propose``/``step``.
+
+    With ``average`` the sums are divided by the world size: DDP's convention, for losses
+    normalised per rank so that the MEAN over ranks is the global loss (Hugging Face /
+    TRL trainers). The default (sum) suits this module's global-token-count convention.
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
+    world = dist.get_world_size(group)
     dist.all_reduce(optimizer.sketch_buffer, op=dist.ReduceOp.SUM, group=group)
+    if average:
+        optimizer.sketch_buffer.div_(world)
     params = optimizer.dense_parameters()
     if not params:
         return
@@ -240,8 +262,11 @@ def allreduce_sketches(optimizer: LoGRAOptimizer, group: dist.ProcessGroup | Non
     flags = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=device)
     flat = torch.cat(pieces + [flags])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flags_sum = flat[-len(params):].tolist()
+    if average:
+        flat.div_(world)
     offset = 0
-    for p, has_grad in zip(params, flat[-len(params):].tolist(), strict=True):
+    for p, has_grad in zip(params, flags_sum, strict=True):
         chunk = flat[offset: offset + p.numel()].view_as(p)
         offset += p.numel()
         if has_grad > 0:

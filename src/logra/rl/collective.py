@@ -7,15 +7,15 @@ import torch.distributed as dist
 
 from ..optimizer import LoGRAOptimizer
 from ..parallel import allreduce_sketches
+from ..parallel import sum_over_ranks as _sum_over_group
 
 
 def sum_over_ranks(values: list[float], world: int, device: torch.device) -> list[float]:
-    """Sum scalars over ranks in float64 (identity in one process)."""
-    if world == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
+    """Sum scalars over the trainer's ranks in float64 (identity in one process).
+
+    ``world`` decides, not the default group's size: rollout workers may share that group.
+    """
+    return values if world == 1 else _sum_over_group(values)
 
 
 def allreduce_gradients(optimizer: torch.optim.Optimizer) -> None:
