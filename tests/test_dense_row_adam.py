@@ -12,7 +12,7 @@ from logra.optimizer import DenseRowAdam
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")  # all with in = hidden = 32
 
 
-@pytest.mark.parametrize("extra", [{}, {"beta1": 0.9}, {"trust_ratio": "layer"}])
+@pytest.mark.parametrize("extra", [{}, {"beta1": 0.9}, {"trust_ratio": "layer"}, {"trust_ratio": "element"}])
 def test_dense_row_adam_is_logra_with_identity_projection(extra):
     # fp32 factors: LoGRA otherwise rounds U to bf16 before merging
     cfg = LoGRAConfig(rank=32, refresh=False, target_modules=TARGETS, update_ratio=1e-2, factor_dtype="float32",

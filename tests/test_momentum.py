@@ -19,11 +19,12 @@ def _momentum_config(**kw) -> LoGRAConfig:
 
 
 # ---------------------------------------------------------------- the formula
-def _reference_step(s, m, k, v, t, w_norms, cfg, grams):
+def _reference_step(s, m, k, v, t, w_norms, cfg, grams, numels):
     """One update written out in float64: returns (directions, m, k, v).
 
     s, m: per target [out, r] sketch and first moment; k: updates in the moment; v: per
-    target [out, 1] row second moment; t: 1-based update; w_norms: per target ‖W‖_F.
+    target [out, 1] row second moment; t: 1-based update; w_norms: per target ‖W‖_F;
+    numels: per target element count.
     """
     b1, b2, eps = cfg.beta1, cfg.beta2, cfg.eps
     m = {n: b1 * m[n] + (1 - b1) * s[n] for n in s}
@@ -32,7 +33,10 @@ def _reference_step(s, m, k, v, t, w_norms, cfg, grams):
     for n in s:
         m_hat = m[n] / (1 - b1**k)
         src = s[n] if cfg.second_moment == "sketch" else m_hat
-        v[n] = b2 * v[n] + (1 - b2) * (src**2).mean(dim=1, keepdim=True)
+        if cfg.optimizer == "adam":  # element-wise; t counts updates since the last refresh
+            v[n] = b2 * v[n] + (1 - b2) * s[n] ** 2
+        else:
+            v[n] = b2 * v[n] + (1 - b2) * (src**2).mean(dim=1, keepdim=True)
         rms = torch.sqrt(v[n] / (1 - b2**t))
         den = rms + eps * rms.mean()
         x = m_hat / den
@@ -42,8 +46,11 @@ def _reference_step(s, m, k, v, t, w_norms, cfg, grams):
         scale = cfg.update_ratio * float(torch.tensor(list(w_norms.values()), dtype=torch.float64).norm())
         scale /= sum(sq.values()) ** 0.5
         d = {n: x * scale for n, x in d.items()}
-    else:
+    elif cfg.trust_ratio == "layer":
         d = {n: x * (cfg.update_ratio * w_norms[n] / sq[n] ** 0.5) for n, x in d.items()}
+    else:  # 'element': every element moves by update_ratio · RMS of all target weights
+        rms = (sum(w * w for w in w_norms.values()) / sum(numels.values())) ** 0.5
+        d = {n: x * (cfg.update_ratio * rms * numels[n] ** 0.5 / sq[n] ** 0.5) for n, x in d.items()}
     return d, m, k, v
 
 
@@ -53,16 +60,20 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("transfer", ["transfer", "reset"])
-@pytest.mark.parametrize("extra", [{}, {"second_moment": "momentum"}, {"trust_ratio": "layer"}])
+@pytest.mark.parametrize("extra", [{}, {"second_moment": "momentum"}, {"trust_ratio": "layer"},
+                                   {"trust_ratio": "element"}, {"optimizer": "adam", "trust_ratio": "layer"}])
 def test_direction_matches_float64_reference(transfer, extra):
     cfg = _momentum_config(momentum_refresh=transfer, **extra)
     model = tiny_qwen2()
     opt = LoGRAOptimizer(model, cfg)
     names = opt.targets
     f64 = torch.float64
+    element = cfg.optimizer == "adam"
     m = {n: torch.zeros_like(opt.sketches()[n], dtype=f64) for n in names}
-    v = {n: torch.zeros(opt.sketches()[n].shape[0], 1, dtype=f64) for n in names}
+    v = {n: torch.zeros(opt.sketches()[n].shape[0], opt.sketches()[n].shape[1] if element else 1, dtype=f64)
+         for n in names}
     k = 0
+    since_refresh = 0
     refreshed = 0
     for step in range(5):  # refresh_every=2: new projections after updates 2 and 4
         model(**token_batch(model.config.vocab_size, seed=step)).loss.backward()
@@ -71,7 +82,10 @@ def test_direction_matches_float64_reference(transfer, extra):
         grams = {n: a @ a.T for n, a in a_old.items()}
         targets = opt._sketches.targets
         w_norms = {n: float(targets[n].weight.to(f64).norm()) for n in names}
-        want, m, k, v = _reference_step(s, m, k, v, step + 1, w_norms, cfg, grams)
+        numels = {n: targets[n].weight.numel() for n in names}
+        since_refresh += 1
+        t = since_refresh if element else step + 1
+        want, m, k, v = _reference_step(s, m, k, v, t, w_norms, cfg, grams, numels)
         proposal = opt.propose()
         for n in names:
             _close(proposal.directions[n], want[n])
@@ -80,6 +94,9 @@ def test_direction_matches_float64_reference(transfer, extra):
         a_new = {n: opt.projection(n).to(f64) for n in names}
         if not torch.equal(a_new[names[0]], a_old[names[0]]):
             refreshed += 1
+            if element:  # the element-wise second moment restarts with the new coordinates
+                v = {n: torch.zeros_like(v[n]) for n in names}
+                since_refresh = 0
             if transfer == "transfer":
                 m = {n: m[n] @ (a_old[n] @ a_new[n].T) for n in names}
             else:
@@ -123,11 +140,13 @@ def test_bad_beta1():
 
 
 # ---------------------------------------------------------------- resume and replay
-@pytest.mark.parametrize("transfer", ["transfer", "reset"])
-def test_resume_is_bitwise(tmp_path, transfer):
+@pytest.mark.parametrize(("transfer", "optimizer"), [("transfer", "row_adam"), ("reset", "row_adam"),
+                                                     ("transfer", "adam")])
+def test_resume_is_bitwise(tmp_path, transfer, optimizer):
     """Saved just after a refresh (update 3), resumed across the next one."""
-    cfg = _momentum_config(momentum_refresh=transfer, refresh_every=3)
-    (_, opt), (_, opt2) = resumed_run(cfg, tmp_path, before=3, after=4)
+    cfg = _momentum_config(momentum_refresh=transfer, refresh_every=3, optimizer=optimizer)
+    # adam: saved mid-window, so a non-zero element-wise second moment is restored
+    (_, opt), (_, opt2) = resumed_run(cfg, tmp_path, before=3 if optimizer == "row_adam" else 4, after=4)
     for name, m in opt.momenta().items():
         assert torch.equal(m, opt2.momenta()[name]), name
     with pytest.raises(ValueError, match="first moment"):
@@ -135,7 +154,7 @@ def test_resume_is_bitwise(tmp_path, transfer):
                                                  non_target_lr=1e-3)).load_state_dict(opt.state_dict())
 
 
-@pytest.mark.parametrize("extra", [{}, {"trust_ratio": "layer"}])
+@pytest.mark.parametrize("extra", [{}, {"trust_ratio": "layer"}, {"optimizer": "adam", "trust_ratio": "element"}])
 def test_apply_delta_replays_bitwise(extra):
     cfg = _momentum_config(non_target="freeze", **extra)
     trainer, receiver = tiny_qwen2(), tiny_qwen2()

@@ -17,12 +17,12 @@ DEFAULT_TARGETS: tuple[str, ...] = (
 _FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _CHOICES = {
     "distribution": ("rademacher", "gaussian", "orthogonal"),
-    "optimizer": ("row_adam", "sgd"),
+    "optimizer": ("row_adam", "adam", "sgd"),
     "non_target": ("freeze", "adamw", "sketch"),
     "factor_dtype": tuple(_FACTOR_DTYPES),
     "momentum_refresh": ("transfer", "reset"),
     "second_moment": ("sketch", "momentum"),
-    "trust_ratio": ("global", "layer"),
+    "trust_ratio": ("global", "layer", "element"),
     "column_scale": ("none", "input"),
 }
 
@@ -44,7 +44,10 @@ class LoGRAConfig:
             ``'orthogonal'`` (orthonormal rows × √(in/r): ``AᵀA = I`` exactly at r = in).
         refresh: draw new projections after updates (paper) instead of keeping one.
         refresh_every: refresh after every k-th update (1 = every update).
-        optimizer: ``'row_adam'`` (one second moment per output row) or ``'sgd'``.
+        optimizer: ``'row_adam'`` (paper: one second moment per output row), ``'adam'``
+            (not in the paper: one per sketch entry, ``[out, r]``, one more sketch-sized
+            buffer, zeroed at every projection refresh because its coordinates change; meant
+            with ``refresh_every`` > 1 or ``refresh=False``) or ``'sgd'``.
         beta2: RowAdam second-moment decay.
         eps: RowAdam epsilon, relative to the mean row RMS of the layer.
         update_ratio: global ‖ΔW‖_F / ‖W‖_F of every step before KL scaling; ``None``
@@ -73,8 +76,10 @@ class LoGRAConfig:
         second_moment: what RowAdam's row second moment is computed from when ``beta1`` > 0:
             ``'sketch'`` (the raw sketch of this update, as Adam does) or ``'momentum'``.
         trust_ratio: ``'global'`` (paper: one ‖ΔW‖/‖W‖ = ``update_ratio`` over all targets
-            together) or ``'layer'`` (each target's ‖ΔW_l‖ = ``update_ratio``·‖W_l‖, LARS/LAMB
-            style). Only in ``update_ratio`` mode.
+            together), ``'layer'`` (each target's ‖ΔW_l‖ = ``update_ratio``·‖W_l‖, LARS/LAMB
+            style) or ``'element'`` (each target's ‖ΔW_l‖ = ``update_ratio``·RMS(W)·√numel_l:
+            every element moves by about the same amount, as under Adam, and the total is
+            the global ratio's). Only in ``update_ratio`` mode.
         column_scale: ``'none'`` (paper) or ``'input'``: precondition each target's input
             side through its projection (not in the paper). The projection in force is
             ``A·diag(c)`` with ``c_j = (C_j / mean(C) + 0.1)^(-1/4)``, where ``C_j`` is a running
@@ -91,7 +96,7 @@ class LoGRAConfig:
     distribution: Literal["rademacher", "gaussian", "orthogonal"] = "rademacher"
     refresh: bool = True
     refresh_every: int = 1
-    optimizer: Literal["row_adam", "sgd"] = "row_adam"
+    optimizer: Literal["row_adam", "adam", "sgd"] = "row_adam"
     beta2: float = 0.95
     eps: float = 1e-8
     update_ratio: float | None = 6e-5
@@ -105,7 +110,7 @@ class LoGRAConfig:
     beta1: float = 0.0
     momentum_refresh: Literal["transfer", "reset"] = "transfer"
     second_moment: Literal["sketch", "momentum"] = "sketch"
-    trust_ratio: Literal["global", "layer"] = "global"
+    trust_ratio: Literal["global", "layer", "element"] = "global"
     column_scale: Literal["none", "input"] = "none"
 
     def __post_init__(self) -> None:

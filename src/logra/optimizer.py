@@ -52,9 +52,37 @@ def row_adam_direction(
     return d, v_new
 
 
+def layer_step_norms(update_ratio: float, trust_ratio: str, weights: list[torch.Tensor]) -> list[float]:
+    """Each target's ``‖ΔW_l‖_F`` under a per-layer trust ratio.
+
+    ``'layer'``: ``update_ratio·‖W_l‖_F``. ``'element'``: ``update_ratio·RMS(W)·√numel_l`` with
+    the RMS over all targets together, so every element moves by ``update_ratio·RMS(W)`` on
+    average (as Adam moves each by about its learning rate) and the total is the paper's
+    global ``update_ratio·‖W‖_F``.
+    """
+    norms = [float(torch.linalg.vector_norm(w, dtype=torch.float32)) for w in weights]
+    if trust_ratio == "layer":
+        return [update_ratio * n for n in norms]
+    if trust_ratio == "element":
+        rms = math.sqrt(sum(n * n for n in norms) / sum(w.numel() for w in weights))
+        return [update_ratio * rms * math.sqrt(w.numel()) for w in weights]
+    raise ValueError(f"no per-layer step norms for trust_ratio={trust_ratio!r}")
+
+
 def _gram(a: torch.Tensor) -> torch.Tensor:
     """``A Aᵀ`` (``[r, r]``)."""
     return a @ a.T
+
+
+def adam_direction(x: torch.Tensor, v: torch.Tensor, k: int, beta2: float, eps: float) -> torch.Tensor:
+    """Element-wise Adam on sketch coordinates: ``x / (√v̂ + ε·mean √v̂)`` with ``v̂ = v/(1-β2^k)``,
+    rescaled to the Frobenius norm of ``x`` (as `row_adam_direction`). ``v`` is the updated
+    second moment (already including this update)."""
+    rms = (v / (1.0 - beta2**k)).sqrt_()
+    den = rms.add_(torch.clamp(eps * rms.mean(), min=_TINY))
+    d = x * (den.min() / den)  # min/den: no overflow where v is tiny
+    x_norm, d_norm = torch.linalg.vector_norm(x), torch.linalg.vector_norm(d)
+    return d * (x_norm / d_norm) if d_norm > 0 else d
 
 
 def _sketch_update_sq_norm(d: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
@@ -143,6 +171,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._momentum_steps = 0  # updates folded into the momentum since it was last zeroed
         if config.beta1 > 0:
             self._momentum = torch.zeros_like(self._sketches.sketch_rows)
+        # optimizer='adam': an element-wise second moment of the sketches, in the coordinates
+        # of the projections in force (zeroed when they are redrawn).
+        self._element_v: torch.Tensor | None = None
+        self._element_v_steps = 0
+        if config.optimizer == "adam":
+            self._element_v = torch.zeros_like(self._sketches.sketch_rows)
         # column_scale='input': per target, a running mean of its squared inputs per channel
         # (targets read only as embeddings see no input vectors and keep c = 1).
         self._input_means = {n: torch.zeros_like(t.input_sq) for n, t in targets.items() if t.input_sq is not None}
@@ -190,8 +224,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         targets = self._sketches.targets.values()
         state = list(self._second_moments.values()) + [t.stored_projection for t in targets]
         state += list(self._input_means.values()) + list(self._column_scales.values())
-        if self._momentum is not None:
-            state.append(self._momentum)
+        state += [b for b in (self._momentum, self._element_v) if b is not None]
         if self._dense is not None:
             state += [v for s in self._dense.state.values() for v in s.values() if torch.is_tensor(v)]
         return {"gradients": [self._sketches.buffer], "optimizer": state}
@@ -247,6 +280,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         beta1 = group["beta1"] if self._momentum is not None else None
         old_momenta = self._views(self._momentum) if beta1 is not None else {}
         correction = 1.0 - beta1 ** (self._momentum_steps + 1) if beta1 is not None else 1.0
+        old_element_v = self._views(self._element_v) if self._element_v is not None else {}
         for name, target in targets.items():
             s = target.sketch * clip if clip != 1.0 else target.sketch
             m = None
@@ -256,18 +290,25 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 v_in = m if (m is not None and self.config.second_moment == "momentum") else s
                 directions[name], moments[name] = row_adam_direction(
                     v_in, self._second_moments[name], t_next, group["beta2"], group["eps"], m)
+            elif self.config.optimizer == "adam":
+                # `apply` updates the state with the same two operations: v·β2, then addcmul
+                v_new = torch.addcmul(old_element_v[name] * group["beta2"], target.sketch, target.sketch,
+                                      value=(1.0 - group["beta2"]) * clip * clip)
+                directions[name] = adam_direction(s if m is None else m, v_new, self._element_v_steps + 1,
+                                                  group["beta2"], group["eps"])
             else:
                 directions[name] = (s if m is None else m).clone()
         layer_sq = {n: _sketch_update_sq_norm(directions[n], grams[n]) for n in targets}
         update_sq = float(sum(layer_sq.values()))
         decay = 0.0
-        if group["update_ratio"] is not None and self.config.trust_ratio == "layer":
-            # each target's ‖ΔW_l‖_F = update_ratio · ‖W_l‖_F
+        per_layer = self.config.trust_ratio != "global"
+        if group["update_ratio"] is not None and per_layer:
+            norms = layer_step_norms(group["update_ratio"], self.config.trust_ratio,
+                                     [t.weight for t in targets.values()])
             update_sq = 0.0
-            for name, target in targets.items():
-                sq_l = float(layer_sq[name])
-                w_l = float(torch.linalg.vector_norm(target.weight, dtype=torch.float32))
-                scale_l = group["update_ratio"] * w_l / math.sqrt(sq_l) if sq_l > 0 else 0.0
+            for (name, sq_l), norm_l in zip(layer_sq.items(), norms, strict=True):
+                sq_l = float(sq_l)
+                scale_l = norm_l / math.sqrt(sq_l) if sq_l > 0 else 0.0
                 directions[name].mul_(scale_l)
                 update_sq += scale_l * scale_l * sq_l
             scale = 1.0
@@ -278,7 +319,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         else:
             scale = group["lr"]
             decay = group["lr"] * group["weight_decay"]
-        if scale != 1.0 or self.config.trust_ratio != "layer":
+        if scale != 1.0 or not per_layer:
             for d in directions.values():
                 d.mul_(scale)
         return Proposal(
@@ -318,6 +359,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             beta1 = proposal._beta1
             self._momentum.mul_(beta1).add_(self._sketches.sketch_rows, alpha=(1.0 - beta1) * proposal._clip)
             self._momentum_steps += 1
+        if self._element_v is not None:
+            beta2, rows = self.param_groups[0]["beta2"], self._sketches.sketch_rows
+            self._element_v.mul_(beta2).addcmul_(rows, rows, value=(1.0 - beta2) * proposal._clip * proposal._clip)
+            self._element_v_steps += 1
         if self._input_means:
             self._fold_input_statistics(self.param_groups[0]["beta2"])
         if self._dense is not None:
@@ -389,6 +434,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self._momentum_steps = 0
             momenta = {}
         scales = self._next_column_scales() if scales is None else scales
+        if carry_momentum and self._element_v is not None:
+            self._element_v.zero_()  # its coordinates are those of the old projections
+            self._element_v_steps = 0
         for name, target in self._sketches.targets.items():
             seed = projection_seed(cfg.seed, index, name)
             old = target.projection
@@ -424,6 +472,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "second_moments": {n: v.clone() for n, v in self._second_moments.items()},
             "momentum": self._momentum.clone() if self._momentum is not None else None,
             "momentum_steps": self._momentum_steps,
+            "element_v": self._element_v.clone() if self._element_v is not None else None,
+            "element_v_steps": self._element_v_steps,
             "input_means": {n: v.clone() for n, v in self._input_means.items()},
             "input_updates": self._input_updates,
             "column_scales": {n: v.clone() for n, v in self._column_scales.items()},
@@ -454,6 +504,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self._dense.load_state_dict(state_dict["non_target"])
         self._step = state_dict["num_updates"]
         set_policy_step(self.model, self._step)
+        element_v = state_dict.get("element_v")
+        if (element_v is None) != (self._element_v is None):
+            raise ValueError("optimizer state and this optimizer disagree on optimizer='adam'")
+        if element_v is not None:
+            self._element_v.copy_(element_v)
+            self._element_v_steps = state_dict["element_v_steps"]
         if set(state_dict.get("input_means", {})) != set(self._input_means):
             raise ValueError("optimizer state and this optimizer disagree on column_scale")
         for name, mean in state_dict.get("input_means", {}).items():
@@ -537,9 +593,9 @@ class DenseRowAdam(torch.optim.Optimizer):
             d, state["row_v"] = row_adam_direction(g, state["row_v"], t, cfg.beta2, cfg.eps, m)
             directions.append(d)
         sq = [float(d.square().sum()) for d in directions]
-        if cfg.trust_ratio == "layer":
-            scales = [cfg.update_ratio * float(torch.linalg.vector_norm(p.float())) / math.sqrt(s) if s > 0 else 0.0
-                      for p, s in zip(targets, sq, strict=True)]
+        if cfg.trust_ratio != "global":
+            norms = layer_step_norms(cfg.update_ratio, cfg.trust_ratio, targets)
+            scales = [n / math.sqrt(s) if s > 0 else 0.0 for n, s in zip(norms, sq, strict=True)]
         else:
             w = math.sqrt(sum(float(torch.linalg.vector_norm(p.float())) ** 2 for p in targets))
             total = math.sqrt(sum(sq))
