@@ -206,7 +206,8 @@ def estimate(
         if m == "logra-sketch":
             rows += v * (1 if shape.tie_embeddings else 2)
             cols += h * (1 if shape.tie_embeddings else 2)
-        sketch, moments, projections = rows * rank * 4, rows * 4, cols * rank * 4
+        # Rademacher projections are stored as int8 signs (1 byte per entry)
+        sketch, moments, projections = rows * rank * 4, rows * 4, cols * rank
         # propose(): directions D, new moments, every target's r×r Gram matrix A Aᵀ and
         # one target's squared sketch; apply(): the bf16 factors U kept for the PolicyDelta
         n_targets = 7 * L + (0 if m == "logra-freeze" else (1 if shape.tie_embeddings else 2))
