@@ -154,7 +154,8 @@ def test_resume_is_bitwise(tmp_path, transfer, optimizer):
                                                  non_target_lr=1e-3)).load_state_dict(opt.state_dict())
 
 
-@pytest.mark.parametrize("extra", [{}, {"trust_ratio": "layer"}, {"optimizer": "adam", "trust_ratio": "element"}])
+@pytest.mark.parametrize("extra", [{}, {"trust_ratio": "layer"}, {"optimizer": "adam", "trust_ratio": "element"},
+                                   {"share_projections": True}])
 def test_apply_delta_replays_bitwise(extra):
     cfg = _momentum_config(non_target="freeze", **extra)
     trainer, receiver = tiny_qwen2(), tiny_qwen2()

@@ -210,7 +210,7 @@ def test_apply_delta_refuses_bad_deltas():
 
 # ---------------------------------------------------------------- bad input
 def test_bad_config_values():
-    for kw in [{"rank": 0}, {"rank": -3}, {"distribution": "uniform"}, {"optimizer": "adam"}, {"factor_dtype": "fp8"}]:
+    for kw in [{"rank": 0}, {"rank": -3}, {"distribution": "uniform"}, {"optimizer": "adamw"}, {"factor_dtype": "fp8"}]:
         with pytest.raises(ValueError):
             LoGRAConfig(**kw)
     with pytest.raises(ValueError, match="exceeds the input size"):

@@ -31,8 +31,8 @@ def _assert_sketches_exact(opt, dense):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_sketch_equals_dense_gradient_times_projection(arch, checkpointing):
+@pytest.mark.parametrize(("checkpointing", "share"), [(False, False), (True, False), (False, True), (True, True)])
+def test_sketch_equals_dense_gradient_times_projection(arch, checkpointing, share):
     model = tiny_qwen2() if arch == "qwen2" else tiny_llama()
     vocab = model.config.vocab_size
     batches = [token_batch(vocab, seed=s) for s in range(3)]  # three accumulated micro-batches
@@ -40,11 +40,13 @@ def test_sketch_equals_dense_gradient_times_projection(arch, checkpointing):
     if checkpointing:
         checkpoint(model, reentrant=False)
     model.train()
-    opt = LoGRAOptimizer(model, LoGRAConfig(rank=8))
+    opt = LoGRAOptimizer(model, LoGRAConfig(rank=8, share_projections=share))
     for b in batches:
         model(**b).loss.backward()
     assert len(opt.sketches()) == 7 * model.config.num_hidden_layers
     _assert_sketches_exact(opt, dense)
+    q, k, o = (opt.projection(f"model.layers.0.self_attn.{x}_proj.weight") for x in "qko")
+    assert torch.equal(q, k) is share and not torch.equal(q, o)
     for name in opt.targets:
         assert dict(model.named_parameters())[name].grad is None
 
@@ -103,6 +105,29 @@ def test_only_projection_is_saved_for_backward():
     shapes = sorted(tuple(t.shape) for t in saved)
     assert (10, 64) not in shapes, "the full input X must not be kept for backward"
     assert (10, 4) in shapes
+
+
+def test_shared_projection_is_computed_and_saved_once_per_input():
+    """q/k/v and gate/up save one ``X Aᵀ`` per group: 4 per layer instead of 7."""
+    saved: dict[bool, set[int]] = {}
+    for share in (False, True):
+        model = tiny_qwen2()
+        opt = LoGRAOptimizer(model, LoGRAConfig(rank=5, share_projections=share))  # 5: no other dim is 5
+        ptrs: set[int] = set()
+        def pack(t, ptrs=ptrs):
+            if t.dim() and t.shape[-1] == 5:  # the saved P = X Aᵀ
+                ptrs.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(**token_batch(model.config.vocab_size)).loss
+        loss.backward()
+        saved[share] = ptrs
+        caches = {id(t.shared_input): t.shared_input for t in opt._sketches.targets.values() if t.shared_input}
+        assert len(caches) == (2 * model.config.num_hidden_layers if share else 0)
+        assert all(c._p is None for c in caches.values())  # nothing outlives the forward pass
+    layers = tiny_qwen2().config.num_hidden_layers
+    assert (len(saved[False]), len(saved[True])) == (7 * layers, 4 * layers)
 
 
 def test_memtracker_sees_no_dense_target_gradients():

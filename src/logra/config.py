@@ -29,7 +29,7 @@ _CHOICES = {
 #: Fields that decide the projections and the delta format. A rollout worker or a
 #: resumed run must agree with the trainer on every one of them.
 SYNC_FIELDS: tuple[str, ...] = (
-    "rank", "seed", "distribution", "refresh", "refresh_every", "factor_dtype",
+    "rank", "seed", "distribution", "refresh", "refresh_every", "factor_dtype", "share_projections",
 )
 
 
@@ -80,6 +80,11 @@ class LoGRAConfig:
             style) or ``'element'`` (each target's ‖ΔW_l‖ = ``update_ratio``·RMS(W)·√numel_l:
             every element moves by about the same amount, as under Adam, and the total is
             the global ratio's). Only in ``update_ratio`` mode.
+        share_projections: layers that read the same input share one projection (not in
+            the paper): q/k/v, and gate/up, of a Llama/Qwen/Mistral decoder layer
+            (`logra.projection.SHARED_INPUT_GROUPS`). ``X Aᵀ`` is then computed and saved once
+            per input instead of once per layer; each layer's sketch is still exactly
+            ``G Aᵀ``, but the members' projection noise is the same draw (correlated).
         column_scale: ``'none'`` (paper) or ``'input'``: precondition each target's input
             side through its projection (not in the paper). The projection in force is
             ``A·diag(c)`` with ``c_j = (C_j / mean(C) + 0.1)^(-1/4)``, where ``C_j`` is a running
@@ -111,6 +116,7 @@ class LoGRAConfig:
     momentum_refresh: Literal["transfer", "reset"] = "transfer"
     second_moment: Literal["sketch", "momentum"] = "sketch"
     trust_ratio: Literal["global", "layer", "element"] = "global"
+    share_projections: bool = False
     column_scale: Literal["none", "input"] = "none"
 
     def __post_init__(self) -> None:
@@ -144,6 +150,17 @@ class LoGRAConfig:
     def sync_fields(self) -> dict[str, Any]:
         """The fields (`SYNC_FIELDS`) that trainer and rollout workers must share."""
         return {name: getattr(self, name) for name in SYNC_FIELDS}
+
+    def sync_mismatch(self, sync: dict[str, Any]) -> tuple[str, Any, Any] | None:
+        """The first sync field where ``sync`` (a delta's or a checkpoint's) differs from
+        this config, as ``(field, theirs, ours)``; None if they agree. A field missing from
+        ``sync`` (written before the field existed) counts as its default."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in SYNC_FIELDS:
+            theirs, ours = sync.get(name, defaults[name]), getattr(self, name)
+            if theirs != ours:
+                return name, theirs, ours
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict of every field (lists instead of tuples), for YAML/JSON."""

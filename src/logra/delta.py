@@ -21,7 +21,7 @@ from torch import nn
 
 from .config import LoGRAConfig
 from .errors import DeltaMismatchError
-from .projection import make_projection, projection_seed, stable_name
+from .projection import make_projection, projection_key, projection_seed, stable_name
 
 _STEP_ATTR = "_logra_policy_step"
 _SCALE_KEY = "column_scale:"  # safetensors key prefix of a column-scale vector
@@ -82,11 +82,19 @@ class PolicyDelta:
         return cls(factors=factors, column_scales=scales, **header)
 
 
+def check_sync(delta: PolicyDelta, config: LoGRAConfig) -> None:
+    """Raise `DeltaMismatchError` if ``delta`` was made with other sync fields than ``config``."""
+    mismatch = config.sync_mismatch(delta.sync)
+    if mismatch is not None:
+        key, theirs, ours = mismatch
+        raise DeltaMismatchError(f"delta was made with {key}={theirs!r} but this config has {key}={ours!r}")
+
+
 def delta_projection(delta: PolicyDelta, config: LoGRAConfig, name: str, in_features: int,
                      device: torch.device | str | None = None) -> torch.Tensor:
     """The projection that was in force for target ``name`` when ``delta`` was made
     (rebuilt from the seed, times the delta's column scales if it carries them)."""
-    seed = projection_seed(config.seed, delta.projection_index, name)
+    seed = projection_seed(config.seed, delta.projection_index, projection_key(name, config.share_projections))
     a = make_projection(config.rank, in_features, seed, config.distribution, device=device)
     scale = delta.column_scales.get(name)
     return a if scale is None else a.mul_(scale.to(a.device))
@@ -131,11 +139,7 @@ def apply_delta(model: nn.Module, delta: PolicyDelta, config: LoGRAConfig) -> No
         DeltaMismatchError: config fields, target names or shapes differ, or the delta's
             step is not the next one. Nothing is changed in that case.
     """
-    expected = config.sync_fields()
-    for key, value in expected.items():
-        if delta.sync.get(key) != value:
-            raise DeltaMismatchError(
-                f"delta was made with {key}={delta.sync.get(key)!r} but this config has {key}={value!r}")
+    check_sync(delta, config)
     current = policy_step(model)
     if delta.step != current:
         raise DeltaMismatchError(

@@ -23,7 +23,7 @@ from torch import nn
 from .config import LoGRAConfig
 from .delta import PolicyDelta, merge_update, set_policy_step
 from .errors import NonFiniteSketchError, StaleProposalError
-from .projection import make_projection, projection_index, projection_seed, rademacher_signs
+from .projection import make_projection, projection_index, projection_key, projection_seed, rademacher_signs
 from .sketch import SketchSet, SketchTarget
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -136,7 +136,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.config = config = config or LoGRAConfig()
         self.model = model
         self._sketches = SketchSet(model, config.target_modules, config.rank, config.non_target == "sketch",
-                                   input_statistics=config.column_scale == "input")
+                                   input_statistics=config.column_scale == "input",
+                                   share_inputs=config.share_projections)
         targets = self._sketches.targets
         low_precision = [n for n, t in targets.items() if t.weight.dtype in (torch.bfloat16, torch.float16)]
         if low_precision:
@@ -213,7 +214,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return self._sketches.targets[name]
 
     def projection(self, name: str) -> torch.Tensor:
-        """The projection ``A`` (``[r, in]`` fp32) currently in force for target ``name``."""
+        """The projection ``A`` (``[r, in]`` fp32) currently in force for target ``name`` (a
+        fresh tensor: Rademacher projections are stored as int8 signs)."""
         return self._sketches.targets[name].projection
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -222,7 +224,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         The sketch buffer replaces gradients; second moments and projections are state.
         """
         targets = self._sketches.targets.values()
-        state = list(self._second_moments.values()) + [t.stored_projection for t in targets]
+        shared = {id(t.stored_projection): t.stored_projection for t in targets}  # shared: count once
+        state = list(self._second_moments.values()) + list(shared.values())
         state += list(self._input_means.values()) + list(self._column_scales.values())
         state += [b for b in (self._momentum, self._element_v) if b is not None]
         if self._dense is not None:
@@ -437,17 +440,24 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if carry_momentum and self._element_v is not None:
             self._element_v.zero_()  # its coordinates are those of the old projections
             self._element_v_steps = 0
+        drawn: dict[str, torch.Tensor] = {}  # by projection key: shared members share the tensor
         for name, target in self._sketches.targets.items():
-            seed = projection_seed(cfg.seed, index, name)
+            key = projection_key(name, cfg.share_projections)
+            seed = projection_seed(cfg.seed, index, key)
             old = target.projection
             if cfg.distribution == "rademacher" and name not in scales:
                 # int8 signs: a quarter of the memory, and `projection` rebuilds the same fp32 bits
-                target.projection = rademacher_signs(cfg.rank, target.in_features, seed, target.weight.device)
+                if key not in drawn:
+                    drawn[key] = rademacher_signs(cfg.rank, target.in_features, seed, target.weight.device)
+                target.projection = drawn[key]
                 new = target.projection if name in momenta else None
             else:
-                new = make_projection(cfg.rank, target.in_features, seed, cfg.distribution, target.weight.device)
+                if key not in drawn:
+                    drawn[key] = make_projection(cfg.rank, target.in_features, seed, cfg.distribution,
+                                                 target.weight.device)
+                new = drawn[key]
                 if name in scales:
-                    new.mul_(scales[name])
+                    new = new * scales[name]
                 target.projection = new
             if name in momenta:
                 # M reconstructs G·diag(c_old²) through A_old·diag(c_old); its sketch under the
@@ -482,10 +492,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore a `state_dict`; the sync fields and targets must match this optimizer."""
-        for key, value in self.config.sync_fields().items():
-            if state_dict["sync"].get(key) != value:
-                raise ValueError(
-                    f"optimizer state was saved with {key}={state_dict['sync'].get(key)!r}, config has {value!r}")
+        mismatch = self.config.sync_mismatch(state_dict["sync"])
+        if mismatch is not None:
+            key, theirs, ours = mismatch
+            raise ValueError(f"optimizer state was saved with {key}={theirs!r}, config has {ours!r}")
         names = set(state_dict["second_moments"])
         if names != set(self._second_moments):
             raise ValueError(f"optimizer state targets differ: {sorted(names ^ set(self._second_moments))[:3]}")

@@ -29,6 +29,26 @@ def stable_name(name: str) -> str:
     return name
 
 
+#: Layers of a Llama / Qwen / Mistral decoder layer that read the same input tensor;
+#: with ``LoGRAConfig.share_projections`` each group shares one projection.
+SHARED_INPUT_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def projection_key(name: str, shared: bool = False) -> str:
+    """The name a target's projection is drawn for: its stable name or, with ``shared``
+    and a member of a `SHARED_INPUT_GROUPS` group, the group's (``...self_attn.q_proj+k_proj+v_proj.weight``)."""
+    name = stable_name(name)
+    if not shared:
+        return name
+    parts = name.split(".")
+    leaf = len(parts) - 2 if parts[-1] in ("weight", "bias") and len(parts) > 1 else len(parts) - 1
+    for group in SHARED_INPUT_GROUPS:
+        if parts[leaf] in group:
+            parts[leaf] = "+".join(group)
+            return ".".join(parts)
+    return name
+
+
 def projection_index(update_index: int, refresh: bool, refresh_every: int) -> int:
     """Which projection is in force after ``update_index`` applied updates."""
     if not refresh:

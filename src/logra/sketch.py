@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import types
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .projection import signs_to_projection, stable_name
+from .projection import projection_key, signs_to_projection, stable_name
 
 _REGEX_CHARS = set("^$*+?[](){}|\\")
 
@@ -53,6 +54,8 @@ class SketchTarget:
     # the shared buffer, while input statistics are collected; None otherwise.
     input_sq: torch.Tensor | None = None
     input_count: torch.Tensor | None = None
+    # With shared projections: the cache of ``X Aᵀ`` this target's input group shares.
+    shared_input: _SharedInput | None = None
     # (eps, D, decay) while a forward-mode KL probe perturbs this target.
     _probe: tuple[torch.Tensor, torch.Tensor, float] | None = None
     # A leaf that requires grad, so autograd runs our backward even when nothing
@@ -80,6 +83,30 @@ class SketchTarget:
         return self.weight.shape[1]
 
 
+class _SharedInput:
+    """``P = X Aᵀ`` of the last input seen by a group of targets that read the same tensor
+    with the same projection (q/k/v, gate/up): computed by the first member, reused by the
+    others, dropped after the last (so it never outlives the forward pass)."""
+
+    def __init__(self, members: int) -> None:
+        self.members = members
+        self._key: tuple[weakref.ref, int] | None = None  # (input, id of the stored projection)
+        self._p: torch.Tensor | None = None
+        self._uses = 0
+
+    def project(self, x: torch.Tensor, target: SketchTarget) -> torch.Tensor:
+        stored = id(target.stored_projection)
+        if self._key is not None and self._key[0]() is x and self._key[1] == stored:
+            p = self._p
+        else:
+            p = F.linear(x, target.projection.to(x.dtype))
+            self._key, self._p, self._uses = (weakref.ref(x), stored), p, 0
+        self._uses += 1
+        if self._uses >= self.members:
+            self._key = self._p = None
+        return p
+
+
 class _SketchedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, anchor, weight, target):
@@ -89,7 +116,10 @@ class _SketchedLinear(torch.autograd.Function):
             target.input_sq.add_(torch.linalg.vector_norm(flat, dim=0, dtype=torch.float32).square())
             target.input_count.add_(flat.shape[0])
         y = F.linear(x, weight)
-        p = F.linear(x, target.projection.to(x.dtype))
+        if target.shared_input is not None:
+            p = target.shared_input.project(x, target)
+        else:
+            p = F.linear(x, target.projection.to(x.dtype))
         ctx.save_for_backward(p, weight)
         ctx.target = target
         ctx.x_dtype = x.dtype
@@ -234,7 +264,7 @@ class SketchSet:
     """
 
     def __init__(self, model: nn.Module, patterns: tuple[str, ...], rank: int, embeddings: bool = False,
-                 input_statistics: bool = False) -> None:
+                 input_statistics: bool = False, share_inputs: bool = False) -> None:
         groups = find_targets(model, patterns, embeddings)
         weights = {name: modules[0][1].weight for name, modules in groups.items()}
         devices = {w.device for w in weights.values()}
@@ -262,6 +292,7 @@ class SketchSet:
         self.sketch_rows = self.buffer[:total]
         self.targets: dict[str, SketchTarget] = {}
         stat_flat, stat_offset = self.buffer[total:].view(-1), 0
+        groups_of: dict[str, list[SketchTarget]] = {}
         offset = 0
         for name, modules in groups.items():
             w = weights[name]
@@ -274,12 +305,20 @@ class SketchSet:
                 target.input_count = stat_flat[stat_offset + n_in: stat_offset + n_in + 1]
                 stat_offset += n_in + 1
             self.targets[name] = target
+            if share_inputs and name in readers and (key := projection_key(name, True)) != name:
+                groups_of.setdefault(key, []).append(target)
             w.requires_grad_(False)
             w.grad = None
             for module in target.modules:
                 forward = _embedding_forward if isinstance(module, nn.Embedding) else _linear_forward
                 module._logra_target = target
                 module.forward = types.MethodType(forward, module)
+        for members in groups_of.values():
+            if len({t.in_features for t in members}) != 1:
+                raise ValueError(f"shared projections: {[t.name for t in members]} have different input sizes")
+            cache = _SharedInput(len(members))
+            for t in members:
+                t.shared_input = cache
 
     def remove(self) -> None:
         """Restore the original forwards and make the weights trainable again."""

@@ -19,7 +19,8 @@ CONFIGS = {
     "momentum": LoGRAConfig(rank=4, beta1=0.9, refresh_every=2),
     # the summed input statistics ride in the sketch buffer's all-reduce
     "column_scale": LoGRAConfig(rank=4, beta1=0.9, refresh_every=2, column_scale="input"),
-    "element_adam": LoGRAConfig(rank=4, beta1=0.9, refresh_every=2, optimizer="adam", trust_ratio="element"),
+    "element_adam": LoGRAConfig(rank=4, beta1=0.9, refresh_every=2, optimizer="adam", trust_ratio="element",
+                                share_projections=True),
 }
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ...config import LoGRAConfig
-from ...delta import PolicyDelta, delta_projection, merge_update
+from ...delta import PolicyDelta, check_sync, delta_projection, merge_update
 from ...errors import ChecksumMismatchError, DeltaGapError, DeltaMismatchError, LayoutError, NeedsResyncError
 from .layout import FusedLayout, Slot, copy_into_fused, fuse_state_dict, plan_copy
 
@@ -81,10 +81,7 @@ def expected_fused_checksum(hf_state: Mapping[str, torch.Tensor], layout: FusedL
 # ------------------------------------------------------------------ deltas
 def _validate(fused: Mapping[str, torch.Tensor], delta: PolicyDelta, config: LoGRAConfig,
               layout: FusedLayout) -> list[tuple[str, torch.Tensor, Slot]]:
-    for key, value in config.sync_fields().items():
-        if delta.sync.get(key) != value:
-            raise DeltaMismatchError(
-                f"delta was made with {key}={delta.sync.get(key)!r} but this config has {key}={value!r}")
+    check_sync(delta, config)
     plan = []
     for name, u in delta.factors.items():
         try:
