@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--logra-beta1", type=float, default=0.0,
                      help="LoGRA first-moment decay (LoGRAConfig.beta1; > 0 adds one sketch-sized momentum buffer, "
                      "counted as optimizer state; default 0 = the paper)")
+    run.add_argument("--share-projections", action="store_true",
+                     help="LoGRA shares one projection per input (q/k/v, gate/up: LoGRAConfig.share_projections), "
+                     "saving X Aᵀ once per input")
     run.add_argument("--methods", default=",".join(METHODS),
                      help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
     run.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
@@ -189,7 +192,8 @@ def build_optimizer(method: str, model: nn.Module, args: argparse.Namespace) -> 
         return torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0, **impl)
     non_target = {"logra-freeze": "freeze", "logra-sketch": "sketch"}[method]
     return LoGRAOptimizer(model, LoGRAConfig(rank=args.rank, non_target=non_target,
-                                             beta1=getattr(args, "logra_beta1", 0.0)))
+                                             beta1=getattr(args, "logra_beta1", 0.0),
+                                             share_projections=getattr(args, "share_projections", False)))
 
 
 def _sync(device: torch.device) -> None:
@@ -431,7 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         "--device", args.device,
         "--autocast", args.autocast, "--adamw-impl", args.adamw_impl, "--threads", str(args.threads),
         "--seed", str(args.seed), "--logra-beta1", str(args.logra_beta1),
-    ] + (["--tie"] if args.tie else []) + (["--checkpointing"] if args.checkpointing else [])
+    ]
+    for flag in ("share_projections", "tie", "checkpointing"):
+        if getattr(args, flag):
+            worker_argv.append("--" + flag.replace("_", "-"))
     results = []
     for method in methods:
         _log(method, "starting worker process")
@@ -440,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = (f"Qwen2 random init, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
              f"intermediate {args.intermediate}, vocab {args.vocab}{' (tied)' if args.tie else ''}, fp32 weights; "
              f"batch {args.batch} × {args.seq} tokens; rank {args.rank}"
-             f"{f', LoGRA beta1 {args.logra_beta1:g}' if args.logra_beta1 else ''}; compute {args.autocast}; "
+             f"{f', LoGRA beta1 {args.logra_beta1:g}' if args.logra_beta1 else ''}"
+             f"{', shared q/k/v and gate/up projections' if args.share_projections else ''}; compute {args.autocast}; "
              f"activation checkpointing {'on' if args.checkpointing else 'off'}; "
              f"device {args.device}; {args.threads} thread(s); 1 warm-up + {args.repeats} timed + "
              f"{args.memory_repeats} memory-tracked step(s) per method, one process per method. Step time: "
