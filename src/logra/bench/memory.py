@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--logra-beta1", type=float, default=0.0,
                      help="LoGRA first-moment decay (LoGRAConfig.beta1; > 0 adds one sketch-sized momentum buffer, "
                      "counted as optimizer state; default 0 = the paper)")
+    run.add_argument("--logra-optimizer", default="row_adam", choices=("row_adam", "adam", "sgd"),
+                     help="LoGRAConfig.optimizer ('adam' adds a sketch-sized second moment; default row_adam = paper)")
     run.add_argument("--share-projections", action="store_true",
                      help="LoGRA shares one projection per input (q/k/v, gate/up: LoGRAConfig.share_projections), "
                      "saving X Aᵀ once per input")
@@ -193,6 +195,7 @@ def build_optimizer(method: str, model: nn.Module, args: argparse.Namespace) -> 
     non_target = {"logra-freeze": "freeze", "logra-sketch": "sketch"}[method]
     return LoGRAOptimizer(model, LoGRAConfig(rank=args.rank, non_target=non_target,
                                              beta1=getattr(args, "logra_beta1", 0.0),
+                                             optimizer=getattr(args, "logra_optimizer", "row_adam"),
                                              share_projections=getattr(args, "share_projections", False)))
 
 
@@ -434,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rank", str(args.rank), "--repeats", str(args.repeats), "--memory-repeats", str(args.memory_repeats),
         "--device", args.device,
         "--autocast", args.autocast, "--adamw-impl", args.adamw_impl, "--threads", str(args.threads),
-        "--seed", str(args.seed), "--logra-beta1", str(args.logra_beta1),
+        "--seed", str(args.seed), "--logra-beta1", str(args.logra_beta1), "--logra-optimizer", args.logra_optimizer,
     ]
     for flag in ("share_projections", "tie", "checkpointing"):
         if getattr(args, flag):
@@ -448,7 +451,9 @@ def main(argv: list[str] | None = None) -> int:
              f"intermediate {args.intermediate}, vocab {args.vocab}{' (tied)' if args.tie else ''}, fp32 weights; "
              f"batch {args.batch} × {args.seq} tokens; rank {args.rank}"
              f"{f', LoGRA beta1 {args.logra_beta1:g}' if args.logra_beta1 else ''}"
-             f"{', shared q/k/v and gate/up projections' if args.share_projections else ''}; compute {args.autocast}; "
+             f"{', shared q/k/v and gate/up projections' if args.share_projections else ''}"
+             f"{f', LoGRA optimizer {args.logra_optimizer}' if args.logra_optimizer != 'row_adam' else ''}; "
+             f"compute {args.autocast}; "
              f"activation checkpointing {'on' if args.checkpointing else 'off'}; "
              f"device {args.device}; {args.threads} thread(s); 1 warm-up + {args.repeats} timed + "
              f"{args.memory_repeats} memory-tracked step(s) per method, one process per method. Step time: "
