@@ -387,7 +387,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         )
         self._step += 1
         set_policy_step(self.model, self._step)
-        self._refresh_projections(carry_momentum=True)
+        self._refresh_projections(after_update=True)
         self._sketches.zero_()
         return delta
 
@@ -422,22 +422,23 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             scales[name] = (c / c.mean().clamp_min(_TINY)).add_(0.1).pow_(-0.25)
         return scales
 
-    def _refresh_projections(self, carry_momentum: bool = False,
+    def _refresh_projections(self, after_update: bool = False,
                              scales: dict[str, torch.Tensor] | None = None) -> None:
-        """Install the projections in force now; with ``carry_momentum``, move the first
-        moment into the new projections or zero it. ``scales`` (default: computed from the
+        """Install the projections in force now. ``after_update``: state kept in the old
+        projections' coordinates follows them (the first moment is transferred or zeroed,
+        the element-wise second moment zeroed). ``scales`` (default: computed from the
         input statistics) are the column scales ``c`` of the new projections ``A·diag(c)``."""
         index = projection_index(self._step, self.config.refresh, self.config.refresh_every)
         if index == self._projection_index:
             return
         cfg = self.config
-        momenta = self.momenta() if carry_momentum else {}
+        momenta = self.momenta() if after_update else {}
         if momenta and cfg.momentum_refresh == "reset":
             self._momentum.zero_()
             self._momentum_steps = 0
             momenta = {}
         scales = self._next_column_scales() if scales is None else scales
-        if carry_momentum and self._element_v is not None:
+        if after_update and self._element_v is not None:
             self._element_v.zero_()  # its coordinates are those of the old projections
             self._element_v_steps = 0
         drawn: dict[str, torch.Tensor] = {}  # by projection key: shared members share the tensor
