@@ -12,6 +12,8 @@
 #                     registered, else -k cuda; e.g. test_fused_bitwise_cuda)   T_TESTS
 #    3. bench_memory  logra bench memory --device cuda (default ~330M shape)    T_BENCH
 #    4. bench_memory_ckpt   the same with --checkpointing                      T_BENCH
+#       bench_tokens_N      2k/8k/16k tokens per step, checkpointing, bf16, with
+#                           and without shared projections                    T_BENCH
 #    5. vllm_install  pip install vllm (may replace torch: runs last)         T_VLLM_INSTALL
 #    6. vllm_deltas   a tiny local Qwen2 inside vLLM receiving 20 LoGRA deltas
 #                     through collective_rpc: per-update checksum verification
@@ -78,6 +80,15 @@ fi
 step bench_memory "$T_BENCH" "$PY" -m logra.cli bench memory --device cuda --out "$OUT_DIR/bench_memory.json"
 step bench_memory_ckpt "$T_BENCH" "$PY" -m logra.cli bench memory --device cuda --checkpointing \
     --out "$OUT_DIR/bench_memory_ckpt.json"
+# token sweep (issue 12): 2 sequences of 1k .. 8k tokens, checkpointing and bf16 autocast,
+# LoGRA with and without shared q/k/v and gate/up projections
+for seq in 1024 4096 8192; do
+    step "bench_tokens_$((2 * seq))" "$T_BENCH" "$PY" -m logra.cli bench memory --device cuda --checkpointing \
+        --autocast bf16 --seq "$seq" --out "$OUT_DIR/bench_tokens_$((2 * seq)).json"
+    step "bench_tokens_$((2 * seq))_shared" "$T_BENCH" "$PY" -m logra.cli bench memory --device cuda \
+        --checkpointing --autocast bf16 --seq "$seq" --methods logra-freeze --share-projections \
+        --out "$OUT_DIR/bench_tokens_$((2 * seq))_shared.json"
+done
 
 # ---------------------------------------------------------------- 5-6. vLLM
 step vllm_install "$T_VLLM_INSTALL" "$PY" -m pip install -q vllm
