@@ -214,10 +214,11 @@ class Recipe:
 #: The embedded default: a 0.8M-parameter byte-level Qwen2 policy warm-started on
 #: reasoning-gym chain_sum. Its KL budget (1e-3 → 1e-4) is larger than the paper's for
 #: 1.5B-27B models, lm_head/embeddings are sketched and norms trained by AdamW, the probe
-#: uses 32 short responses instead of the paper's 2 long ones, and LoGRA keeps a first
-#: moment over 10-update projection windows with a per-layer trust ratio (ours; measured in
-#: docs/learning.md). `--logra.beta1 0 --logra.refresh_every 1 --logra.trust_ratio global`
-#: is the paper's update.
+#: uses 32 short responses instead of the paper's 2 long ones, and LoGRA (ours; measured
+#: in docs/learning.md) keeps one projection per layer for the whole run, with a first
+#: moment and an element-wise second moment of the sketch entries and a per-layer trust
+#: ratio. `--logra.optimizer row_adam --logra.beta1 0 --logra.refresh true
+#: --logra.trust_ratio global` is the paper's update.
 EMBEDDED = Recipe(
     name="embedded",
     description="tiny Qwen2 policy, warm-started and cached, then LoGRA RL on chain_sum (no network)",
@@ -225,7 +226,7 @@ EMBEDDED = Recipe(
         "model": "", "task": "chain_sum", "extract": "full", "instruction": "", "max_new_tokens": 16,
         "micro_batch": 256,
         "logra.rank": 48, "logra.update_ratio": 3e-3, "logra.non_target": "sketch", "logra.non_target_lr": 1e-4,
-        "logra.beta1": 0.9, "logra.refresh_every": 10, "logra.trust_ratio": "layer",
+        "logra.beta1": 0.9, "logra.optimizer": "adam", "logra.refresh": False, "logra.trust_ratio": "layer",
         "kl.budget": 1e-3, "kl.budget_final": 1e-4, "kl.schedule_steps": 0, "kl.probe_responses": 32,
     },
     task_values={
