@@ -1,9 +1,11 @@
 """How one update is shared between layer groups, in step size and in predicted KL.
 
 Runs N updates of the embedded recipe (`logra train` with no arguments, docs/learning.md)
-in-process per method: LoGRA as the recipe has it (β1 0.9, 10-update projection windows,
-per-layer trust ratio), the paper's LoGRA update (β1 0, refresh every update, global trust
-ratio), dense AdamW and LoRA. For every update it records
+in-process per method: LoGRA as the recipe has it (β1 0.9, element-wise second moment,
+one projection for the run, per-layer trust ratio), the first study's LoGRA (β1 0.9,
+RowAdam, 10-update projection windows, per-layer trust ratio), the paper's LoGRA update
+(β1 0, refresh every update, global trust ratio), dense AdamW and LoRA at the learning
+rates the bench's sweep chose. For every update it records
 
 - each parameter's applied displacement (α included), giving per layer group the share of
   Σ‖ΔW‖² (mean over updates) and the median relative step ‖ΔW_l‖/‖W_l‖ (over layers and
@@ -44,10 +46,13 @@ from logra.rl.config import recipe_config
 GROUPS = ("embed_tokens/lm_head", "self_attn", "mlp", "other")
 #: method label → the embedded recipe's dotted-key changes
 METHODS: dict[str, dict[str, Any]] = {
-    "LoGRA, embedded default (β1 0.9, refresh 10, layer trust ratio)": {},
-    "LoGRA, paper update (β1 0, refresh 1, global trust ratio)": {
-        "logra.beta1": 0.0, "logra.refresh_every": 1, "logra.trust_ratio": "global"},
-    "dense AdamW (lr 1e-4)": {"optimizer": "adamw", "lr": 1e-4},
+    "LoGRA, embedded default (β1 0.9, element-wise v, fixed projection, layer trust ratio)": {},
+    "LoGRA, first study's (β1 0.9, RowAdam, refresh 10, layer trust ratio)": {
+        "logra.optimizer": "row_adam", "logra.refresh": True, "logra.refresh_every": 10},
+    "LoGRA, paper update (β1 0, RowAdam, refresh 1, global trust ratio)": {
+        "logra.optimizer": "row_adam", "logra.beta1": 0.0, "logra.refresh": True, "logra.refresh_every": 1,
+        "logra.trust_ratio": "global"},
+    "dense AdamW (lr 1e-3)": {"optimizer": "adamw", "lr": 1e-3},
     "LoRA (lr 1e-3)": {"optimizer": "lora", "lr": 1e-3},
 }
 
