@@ -58,6 +58,11 @@ def test_scales_match_float64_reference_and_travel_in_the_delta():
     assert all(".layers." in n for n in delta.column_scales)
 
 
+def test_needs_refreshed_projections():
+    with pytest.raises(ValueError, match="needs refresh=True"):
+        LoGRAConfig(column_scale="input", refresh=False)
+
+
 def test_sketch_is_exact_for_the_scaled_projection():
     cfg = _config(refresh_every=1)
     model, dense = tiny_qwen2(), tiny_qwen2()
