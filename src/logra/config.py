@@ -86,8 +86,8 @@ class LoGRAConfig:
             (`logra.projection.SHARED_INPUT_GROUPS`). ``X Aᵀ`` is then computed and saved once
             per input instead of once per layer; each layer's sketch is still exactly
             ``G Aᵀ``, but the members' projection noise is the same draw (correlated), and
-            with a fixed projection they move in one common input subspace: it cost 2.4
-            points of Pass@1 on one seed of the embedded recipe (docs/learning.md).
+            with a fixed projection they move in one common input subspace: it cost
+            1.2 ± 0.7 points of Pass@1 over 3 seeds of the embedded recipe (docs/learning.md).
         column_scale: ``'none'`` (paper) or ``'input'``: precondition each target's input
             side through its projection (not in the paper). The projection in force is
             ``A·diag(c)`` with ``c_j = (C_j / mean(C) + 0.1)^(-1/4)``, where ``C_j`` is a running
