@@ -107,6 +107,48 @@ def test_direction_matches_float64_reference(transfer, extra):
     assert refreshed == 2
 
 
+@pytest.mark.parametrize("trust_ratio", ["layer", "global"])
+def test_bfloat16_moments_follow_the_reference_one_update_at_a_time(trust_ratio):
+    """``moment_dtype='bfloat16'``: from the stored bf16 state, each update's direction is the
+    float64 formula's (to fp32 rounding) and the new state is its value rounded to bf16."""
+    cfg = _momentum_config(optimizer="adam", refresh=False, trust_ratio=trust_ratio, moment_dtype="bfloat16")
+    model = tiny_qwen2()
+    opt = LoGRAOptimizer(model, cfg)
+    names, f64, targets = opt.targets, torch.float64, opt._sketches.targets
+    v_views = opt._views(opt._element_v)
+    assert opt._momentum.dtype == opt._element_v.dtype == torch.bfloat16
+    grams = {n: (opt.projection(n).to(f64) @ opt.projection(n).to(f64).T) for n in names}
+    numels = {n: targets[n].weight.numel() for n in names}
+    for step in range(4):
+        model(**token_batch(model.config.vocab_size, seed=step)).loss.backward()
+        s = {n: x.to(f64) for n, x in opt.sketches().items()}
+        m = {n: x.to(f64) for n, x in opt.momenta().items()}
+        v = {n: x.to(f64) for n, x in v_views.items()}
+        w_norms = {n: float(targets[n].weight.to(f64).norm()) for n in names}
+        want, m, _, v = _reference_step(s, m, step, v, step + 1, w_norms, cfg, grams, numels)
+        proposal = opt.propose()
+        for n in names:
+            _close(proposal.directions[n], want[n])
+        opt.apply(proposal)
+        opt.zero_grad()
+        bf16_ulp = 2.0**-8  # round to nearest: within half an ulp of the exact value
+        for n in names:
+            torch.testing.assert_close(opt.momenta()[n].to(f64), m[n], rtol=bf16_ulp, atol=1e-30)
+            torch.testing.assert_close(v_views[n].to(f64), v[n], rtol=bf16_ulp, atol=1e-30)
+    assert any(float(x.abs().max()) > 0 for x in opt.momenta().values())
+
+
+def test_bfloat16_moments_halve_their_memory_and_resume_bitwise(tmp_path):
+    cfg = _momentum_config(optimizer="adam", moment_dtype="bfloat16")
+    fp32 = LoGRAOptimizer(tiny_qwen2(), _momentum_config(optimizer="adam"))
+    nbytes = [sum(t.numel() * t.element_size() for t in o.memory_tensors()["optimizer"])
+              for o in (fp32, LoGRAOptimizer(tiny_qwen2(), cfg))]
+    assert nbytes[0] - nbytes[1] == fp32.sketch_buffer.numel() * 2 * 2  # two buffers, 2 bytes saved each
+    (_, opt), (_, opt2) = resumed_run(cfg, tmp_path, before=3, after=5)  # checks the weights
+    for name, m in opt.momenta().items():
+        assert torch.equal(m, opt2.momenta()[name]), name
+
+
 def test_beta1_zero_is_the_paper_update_bitwise():
     runs = []
     for cfg in (LoGRAConfig(rank=4, non_target="sketch"), LoGRAConfig(rank=4, non_target="sketch", beta1=0.0,

@@ -20,7 +20,7 @@ from logra import (
     StaleProposalError,
     apply_delta,
 )
-from logra.projection import make_projection, projection_seed
+from logra.projection import make_projection, pack_signs, projection_seed, rademacher_signs, unpack_projection
 
 
 # ---------------------------------------------------------------- projections
@@ -244,6 +244,16 @@ def test_non_finite_loss_changes_nothing():
         assert torch.equal(v, state["second_moments"][n])
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_one_non_finite_sketch_entry_is_caught(value):
+    model = tiny_qwen2()
+    opt = LoGRAOptimizer(model, LoGRAConfig(rank=4))
+    model(**token_batch(97)).loss.backward()
+    opt.sketches()[opt.targets[3]][2, 1] = value
+    with pytest.raises(NonFiniteSketchError):
+        opt.propose()
+
+
 def test_stale_and_foreign_proposals():
     model, other = tiny_qwen2(), tiny_qwen2()
     opt, opt2 = LoGRAOptimizer(model, LoGRAConfig(rank=4)), LoGRAOptimizer(other, LoGRAConfig(rank=4))
@@ -305,7 +315,7 @@ def test_rank_that_saves_no_memory_warns():
         LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=8))
 
 
-def test_rademacher_projections_are_stored_as_int8_signs_bitwise():
+def test_rademacher_projections_are_stored_as_sign_bits_bitwise():
     """Compact storage changes memory, not results: same weights as fp32-stored projections."""
     cfg = LoGRAConfig(rank=4, refresh_every=2, beta1=0.9)
     compact, plain = tiny_qwen2(), tiny_qwen2()
@@ -319,8 +329,18 @@ def test_rademacher_projections_are_stored_as_int8_signs_bitwise():
         assert torch.equal(a, b), n
     for name in opt_c.targets:
         t = opt_c.sketch_target(name)
-        assert t.stored_projection.dtype == torch.int8
+        assert t.stored_projection.dtype == torch.uint8
+        assert t.stored_projection.shape == (4, -(-t.in_features // 8))
         assert torch.equal(t.projection, make_projection(4, t.in_features, projection_seed(cfg.seed, 4, name)))
     state_bytes = [sum(x.numel() * x.element_size() for x in o.memory_tensors()["optimizer"]) for o in (opt_c, opt_p)]
-    projection_bytes = sum(4 * opt_c.projection(n).numel() for n in opt_c.targets)
-    assert state_bytes[1] - state_bytes[0] == projection_bytes * 3 // 4
+    fp32_bytes = sum(4 * opt_c.projection(n).numel() for n in opt_c.targets)
+    bit_bytes = sum(opt_c.sketch_target(n).stored_projection.numel() for n in opt_c.targets)
+    assert state_bytes[1] - state_bytes[0] == fp32_bytes - bit_bytes
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 13, 64])
+def test_packed_sign_bits_rebuild_the_projection_bitwise(width):
+    seed = 1234 + width
+    bits = pack_signs(rademacher_signs(5, width, seed))
+    assert bits.dtype == torch.uint8 and bits.shape == (5, (width + 7) // 8)
+    assert torch.equal(unpack_projection(bits, width), make_projection(5, width, seed))

@@ -14,16 +14,17 @@ DEFAULT_TARGETS: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
 
-_FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _CHOICES = {
     "distribution": ("rademacher", "gaussian", "orthogonal"),
     "optimizer": ("row_adam", "adam", "sgd"),
     "non_target": ("freeze", "adamw", "sketch"),
-    "factor_dtype": tuple(_FACTOR_DTYPES),
+    "factor_dtype": tuple(_DTYPES),
     "momentum_refresh": ("transfer", "reset"),
     "second_moment": ("sketch", "momentum"),
     "trust_ratio": ("global", "layer", "element"),
     "column_scale": ("none", "input"),
+    "moment_dtype": tuple(_DTYPES),
 }
 
 #: Fields that decide the projections and the delta format. A rollout worker or a
@@ -98,6 +99,11 @@ class LoGRAConfig:
             column factor, like Adafactor's factored second moment. Cost: one ``[in]``
             vector per target and one reduction of ``x²`` per forward. On the embedded
             recipe it cost 0.9 ± 0.2 points of Pass@1 over 3 seeds (docs/learning.md).
+        moment_dtype: storage dtype of the two sketch-sized moment buffers (the first moment
+            with ``beta1`` > 0, the element-wise second moment with ``optimizer='adam'``); not
+            in the paper, which keeps neither. ``'bfloat16'`` halves them: each update is
+            computed in fp32 from the stored values and rounded to nearest once when stored.
+            The row second moments of RowAdam stay fp32 (they are ``[out, 1]``).
     """
 
     rank: int = 256
@@ -122,6 +128,7 @@ class LoGRAConfig:
     trust_ratio: Literal["global", "layer", "element"] = "global"
     share_projections: bool = False
     column_scale: Literal["none", "input"] = "none"
+    moment_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
         self.target_modules = tuple(self.target_modules)
@@ -152,7 +159,12 @@ class LoGRAConfig:
     @property
     def torch_factor_dtype(self) -> torch.dtype:
         """``factor_dtype`` as a ``torch.dtype``."""
-        return _FACTOR_DTYPES[self.factor_dtype]
+        return _DTYPES[self.factor_dtype]
+
+    @property
+    def torch_moment_dtype(self) -> torch.dtype:
+        """``moment_dtype`` as a ``torch.dtype``."""
+        return _DTYPES[self.moment_dtype]
 
     def sync_fields(self) -> dict[str, Any]:
         """The fields (`SYNC_FIELDS`) that trainer and rollout workers must share."""

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from .config import LoGRAConfig
 from .delta import PolicyDelta, merge_update, set_policy_step
 from .errors import NonFiniteSketchError, StaleProposalError
-from .projection import make_projection, projection_index, projection_key, projection_seed, rademacher_signs
+from .projection import make_projection, pack_signs, projection_index, projection_key, projection_seed, rademacher_signs
 from .sketch import SketchSet, SketchTarget
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -85,6 +86,17 @@ def adam_direction(x: torch.Tensor, v: torch.Tensor, k: int, beta2: float, eps: 
     return d * (x_norm / d_norm) if d_norm > 0 else d
 
 
+def _all_finite(x: torch.Tensor) -> bool:
+    """No NaN/Inf in ``x``. Min and max propagate NaN and show ±Inf, and need no copy of
+    ``x``: ``torch.isfinite`` of the whole sketch buffer would allocate 1.75× its size."""
+    return x.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
+
+
+def _decayed(state: torch.Tensor, beta: float) -> torch.Tensor:
+    """``β·state`` in a new fp32 tensor (the stored state may be bf16)."""
+    return state.to(torch.float32) * beta
+
+
 def _sketch_update_sq_norm(d: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     """``‖D A‖_F²`` from the ``r×r`` Gram matrix ``A Aᵀ``, without forming ``D A``."""
     return ((d @ gram) * d).sum()
@@ -96,7 +108,8 @@ class Proposal:
 
     Attributes:
         step: the optimizer's update count when proposed; `apply` refuses it afterwards.
-        directions: per target, ``D`` ``[out, r]`` fp32, already including the step size.
+        directions: per target, ``D`` ``[out, r]`` fp32, already including the step size
+            (emptied by `LoGRAOptimizer.apply`, which consumes the proposal).
         decay: decoupled weight decay coefficient of the step (0 unless lr mode with wd).
         sketch_norm: global ``‖S A‖_F`` of the (clipped) sketched gradient.
         update_norm: global ``‖D A‖_F`` of the proposed update.
@@ -171,18 +184,21 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._momentum: torch.Tensor | None = None
         self._momentum_steps = 0  # updates folded into the momentum since it was last zeroed
         if config.beta1 > 0:
-            self._momentum = torch.zeros_like(self._sketches.sketch_rows)
+            self._momentum = torch.zeros_like(self._sketches.sketch_rows, dtype=config.torch_moment_dtype)
         # optimizer='adam': an element-wise second moment of the sketches, in the coordinates
         # of the projections in force (zeroed when they are redrawn).
         self._element_v: torch.Tensor | None = None
         self._element_v_steps = 0
         if config.optimizer == "adam":
-            self._element_v = torch.zeros_like(self._sketches.sketch_rows)
+            self._element_v = torch.zeros_like(self._sketches.sketch_rows, dtype=config.torch_moment_dtype)
         # column_scale='input': per target, a running mean of its squared inputs per channel
         # (targets read only as embeddings see no input vectors and keep c = 1).
         self._input_means = {n: torch.zeros_like(t.input_sq) for n, t in targets.items() if t.input_sq is not None}
         self._input_updates = 0
         self._column_scales: dict[str, torch.Tensor] = {}  # the c of the projections in force
+        # A Aᵀ of the projections in force, formed at the first proposal after a refresh: with
+        # fixed projections, once per run instead of once per update.
+        self._grams: dict[str, torch.Tensor] = {}
         self._projection_index: int | None = None
         self._refresh_projections()
 
@@ -215,7 +231,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     def projection(self, name: str) -> torch.Tensor:
         """The projection ``A`` (``[r, in]`` fp32) currently in force for target ``name`` (a
-        fresh tensor: Rademacher projections are stored as int8 signs)."""
+        fresh tensor: Rademacher projections are stored as packed sign bits)."""
         return self._sketches.targets[name].projection
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -228,6 +244,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         state = list(self._second_moments.values()) + list(shared.values())
         state += list(self._input_means.values()) + list(self._column_scales.values())
         state += [b for b in (self._momentum, self._element_v) if b is not None]
+        state += list({id(g): g for g in self._grams.values()}.values())
         if self._dense is not None:
             state += [v for s in self._dense.state.values() for v in s.values() if torch.is_tensor(v)]
         return {"gradients": [self._sketches.buffer], "optimizer": state}
@@ -256,6 +273,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
 
     @torch.no_grad()
+    @record_function("logra.propose")
     def propose(self) -> Proposal:
         """The step that would be taken now; weights and optimizer state are unchanged.
 
@@ -264,19 +282,31 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """
         buffer = self._sketches.buffer
         dense_grads = [p.grad for p in self.dense_parameters() if p.grad is not None]
-        if not torch.isfinite(buffer).all() or not all(torch.isfinite(g).all() for g in dense_grads):
+        if not _all_finite(buffer) or not all(_all_finite(g) for g in dense_grads):
             raise NonFiniteSketchError(
                 f"non-finite gradient sketch before update {self._step} (NaN/Inf loss?); nothing was changed")
         group = self.param_groups[0]
         targets = self._sketches.targets
-        grams = {n: _gram(t.projection) for n, t in targets.items()}
-        sq = sum(_sketch_update_sq_norm(t.sketch, grams[n]) for n, t in targets.items())
-        sq = sq + sum(g.square().sum() for g in dense_grads)
-        sketch_norm = math.sqrt(max(float(sq), 0.0))
+        # A Aᵀ per target: kept while the projections stay (fixed, or refresh windows); with a
+        # refresh after every update, formed target by target so that no two exist at once.
+        if not self.config.refresh or self.config.refresh_every > 1:
+            gram = self._projection_grams().__getitem__
+        else:
+            def gram(name: str) -> torch.Tensor:
+                return _gram(targets[name].projection)
+        sketch_sq: dict[str, torch.Tensor] = {}
+
+        def sketch_norm() -> float:
+            sq = sum(sketch_sq[n] for n in targets) + sum(g.square().sum() for g in dense_grads)
+            return math.sqrt(max(float(sq), 0.0))
+
         clip = 1.0
-        if self.config.max_grad_norm is not None and sketch_norm > self.config.max_grad_norm:
-            clip = self.config.max_grad_norm / (sketch_norm + 1e-6)
-        directions, moments = {}, {}
+        if self.config.max_grad_norm is not None:  # the clip scales every direction: all norms first
+            sketch_sq = {n: _sketch_update_sq_norm(t.sketch, gram(n)) for n, t in targets.items()}
+            norm = sketch_norm()
+            if norm > self.config.max_grad_norm:
+                clip = self.config.max_grad_norm / (norm + 1e-6)
+        directions, moments, layer_sq = {}, {}, {}
         t_next = self._step + 1
         # The new first moment is formed one target at a time (no second [Σ out, r] buffer):
         # `apply` repeats the same two in-place operations on the state, so it stores these bits.
@@ -285,23 +315,27 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         correction = 1.0 - beta1 ** (self._momentum_steps + 1) if beta1 is not None else 1.0
         old_element_v = self._views(self._element_v) if self._element_v is not None else {}
         for name, target in targets.items():
+            a_gram = gram(name)
+            if name not in sketch_sq:
+                sketch_sq[name] = _sketch_update_sq_norm(target.sketch, a_gram)
             s = target.sketch * clip if clip != 1.0 else target.sketch
             m = None
             if beta1 is not None:
-                m = (old_momenta[name] * beta1).add_(target.sketch, alpha=(1.0 - beta1) * clip).div_(correction)
+                m = _decayed(old_momenta[name], beta1).add_(target.sketch, alpha=(1.0 - beta1) * clip)
+                m.div_(correction)
             if self.config.optimizer == "row_adam":
                 v_in = m if (m is not None and self.config.second_moment == "momentum") else s
                 directions[name], moments[name] = row_adam_direction(
                     v_in, self._second_moments[name], t_next, group["beta2"], group["eps"], m)
             elif self.config.optimizer == "adam":
                 # `apply` updates the state with the same two operations: v·β2, then addcmul
-                v_new = torch.addcmul(old_element_v[name] * group["beta2"], target.sketch, target.sketch,
-                                      value=(1.0 - group["beta2"]) * clip * clip)
+                v_new = _decayed(old_element_v[name], group["beta2"]).addcmul_(
+                    target.sketch, target.sketch, value=(1.0 - group["beta2"]) * clip * clip)
                 directions[name] = adam_direction(s if m is None else m, v_new, self._element_v_steps + 1,
                                                   group["beta2"], group["eps"])
             else:
                 directions[name] = (s if m is None else m).clone()
-        layer_sq = {n: _sketch_update_sq_norm(directions[n], grams[n]) for n in targets}
+            layer_sq[name] = _sketch_update_sq_norm(directions[name], a_gram)
         update_sq = float(sum(layer_sq.values()))
         decay = 0.0
         per_layer = self.config.trust_ratio != "global"
@@ -326,7 +360,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             for d in directions.values():
                 d.mul_(scale)
         return Proposal(
-            step=self._step, directions=directions, decay=decay, sketch_norm=sketch_norm,
+            step=self._step, directions=directions, decay=decay, sketch_norm=sketch_norm(),
             update_norm=scale * math.sqrt(update_sq), _owner=self, _second_moments=moments, _clip=clip,
             _beta1=beta1,
         )
@@ -337,7 +371,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
         Returns the `PolicyDelta` that reproduces exactly this change elsewhere. The
         sketches are consumed (zeroed): they were taken against projections that are
-        now replaced.
+        now replaced. So is ``proposal``: its directions are released target by target as
+        they are merged, so that they and the delta's factors never exist in full together.
 
         Raises:
             StaleProposalError: the proposal is from another optimizer or an earlier step.
@@ -353,18 +388,26 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         dtype = self.config.torch_factor_dtype
         decay = alpha * proposal.decay
         factors = {}
-        for name, target in self._sketches.targets.items():
-            u = (proposal.directions[name] * alpha).to(dtype)
-            merge_update(target.weight, u, target.projection, decay)
-            factors[name] = u
+        with record_function("logra.merge"):
+            for name, target in self._sketches.targets.items():
+                # released as merged: the factors U replace the directions, not add to them
+                u = (proposal.directions.pop(name) * alpha).to(dtype)
+                merge_update(target.weight, u, target.projection, decay)
+                factors[name] = u
         self._second_moments.update(proposal._second_moments)
+        # The same fp32 operations as in `propose`, one target at a time (a bf16 state is
+        # rounded once, when stored, and no [Σ out, r] fp32 copy is made).
+        sketches = self.sketches()
         if proposal._beta1 is not None:
             beta1 = proposal._beta1
-            self._momentum.mul_(beta1).add_(self._sketches.sketch_rows, alpha=(1.0 - beta1) * proposal._clip)
+            for name, m in self.momenta().items():
+                m.copy_(_decayed(m, beta1).add_(sketches[name], alpha=(1.0 - beta1) * proposal._clip))
             self._momentum_steps += 1
         if self._element_v is not None:
-            beta2, rows = self.param_groups[0]["beta2"], self._sketches.sketch_rows
-            self._element_v.mul_(beta2).addcmul_(rows, rows, value=(1.0 - beta2) * proposal._clip * proposal._clip)
+            beta2, clip = self.param_groups[0]["beta2"], proposal._clip
+            for name, v in self._views(self._element_v).items():
+                s = sketches[name]
+                v.copy_(_decayed(v, beta2).addcmul_(s, s, value=(1.0 - beta2) * clip * clip))
             self._element_v_steps += 1
         if self._input_means:
             self._fold_input_statistics(self.param_groups[0]["beta2"])
@@ -387,7 +430,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         )
         self._step += 1
         set_policy_step(self.model, self._step)
-        self._refresh_projections(after_update=True)
+        with record_function("logra.refresh"):
+            self._refresh_projections(after_update=True)
         self._sketches.zero_()
         return delta
 
@@ -399,6 +443,17 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.apply(self.propose())
         return loss
+
+    def _projection_grams(self) -> dict[str, torch.Tensor]:
+        """Per target, ``A Aᵀ`` of its projection in force (one tensor per distinct projection)."""
+        if not self._grams:
+            by_projection: dict[int, torch.Tensor] = {}
+            for name, target in self._sketches.targets.items():
+                key = id(target.stored_projection)
+                if key not in by_projection:
+                    by_projection[key] = _gram(target.projection)
+                self._grams[name] = by_projection[key]
+        return self._grams
 
     # ------------------------------------------------------------------ state
     def _fold_input_statistics(self, beta: float) -> None:
@@ -447,9 +502,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             seed = projection_seed(cfg.seed, index, key)
             old = target.projection
             if cfg.distribution == "rademacher" and name not in scales:
-                # int8 signs: a quarter of the memory, and `projection` rebuilds the same fp32 bits
+                # signs packed as bits: 1/32 of the memory, and `projection` rebuilds the same fp32 bits
                 if key not in drawn:
-                    drawn[key] = rademacher_signs(cfg.rank, target.in_features, seed, target.weight.device)
+                    signs = rademacher_signs(cfg.rank, target.in_features, seed)
+                    drawn[key] = pack_signs(signs).to(target.weight.device)
                 target.projection = drawn[key]
                 new = target.projection if name in momenta else None
             else:
@@ -466,9 +522,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 if name in self._column_scales:
                     old = old / self._column_scales[name].square()
                 m = momenta[name]
-                m.copy_(m @ (old @ new.T))
+                m.copy_(m.float() @ (old @ new.T))
         self._column_scales = scales
         self._projection_index = index
+        self._grams = {}
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Tensors and plain values only: loads with ``torch.load(weights_only=True)``.

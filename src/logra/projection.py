@@ -8,6 +8,7 @@ then moved to the weight's device.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -74,6 +75,31 @@ def rademacher_signs(rank: int, in_features: int, seed: int,
 def signs_to_projection(signs: torch.Tensor) -> torch.Tensor:
     """fp32 projection ``signs / √rank`` from `rademacher_signs` (bitwise `make_projection`'s)."""
     return signs.to(torch.float32).mul_(1.0 / math.sqrt(signs.shape[0]))
+
+
+def pack_signs(signs: torch.Tensor) -> torch.Tensor:
+    """``[rank, in]`` ±1 signs as bits, ``[rank, ⌈in/8⌉]`` uint8 (bit ``j`` of byte ``k`` is 1
+    where column ``8k + j`` is +1): an eighth of int8, a thirty-second of fp32."""
+    rank, width = signs.shape
+    bits = torch.zeros(rank, -(-width // 8) * 8, dtype=torch.uint8, device=signs.device)
+    bits[:, :width] = signs > 0
+    shifts = torch.arange(8, dtype=torch.uint8, device=signs.device)
+    return (bits.view(rank, -1, 8) << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+@functools.cache
+def _byte_table(rank: int, device: torch.device) -> torch.Tensor:
+    """``[256, 8]`` fp32: row ``b`` holds the eight entries ``±1/√rank`` that byte ``b`` encodes."""
+    byte = torch.arange(256, dtype=torch.uint8)
+    signs = ((byte.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).to(torch.int8).mul_(2).sub_(1)
+    return signs.to(torch.float32).mul_(1.0 / math.sqrt(rank)).to(device)  # as `signs_to_projection`
+
+
+def unpack_projection(bits: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The fp32 projection ``±1/√rank`` of `pack_signs`'s bits (bitwise `make_projection`'s)."""
+    # a byte → eight entries lookup: one gather instead of shifts, masks and arithmetic
+    a = _byte_table(bits.shape[0], bits.device)[bits.int()].view(bits.shape[0], -1)
+    return a if a.shape[1] == in_features else a[:, :in_features].contiguous()
 
 
 def make_projection(

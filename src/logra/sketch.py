@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
-from .projection import projection_key, signs_to_projection, stable_name
+from .projection import projection_key, stable_name, unpack_projection
 
 _REGEX_CHARS = set("^$*+?[](){}|\\")
 
@@ -40,8 +41,9 @@ class SketchTarget:
         weight: the parameter (``requires_grad=False`` while sketched).
         sketch: ``[out, r]`` fp32 view into the shared sketch buffer.
         stored_projection: the projection in force as stored (set by the optimizer): an
-            fp32 ``[r, in]`` matrix, or the int8 signs of a Rademacher projection (1 byte per
-            entry instead of 4; `projection` rebuilds the fp32 matrix when it is used).
+            fp32 ``[r, in]`` matrix, or the signs of a Rademacher projection packed as bits
+            (uint8 ``[r, ⌈in/8⌉]``, 1 bit per entry instead of 32; `projection` rebuilds the
+            fp32 matrix when it is used).
         modules: the modules that read this weight (two for tied embeddings).
     """
 
@@ -64,9 +66,9 @@ class SketchTarget:
 
     @property
     def projection(self) -> torch.Tensor | None:
-        """The ``[r, in]`` fp32 projection in force (a fresh tensor when stored as signs)."""
+        """The ``[r, in]`` fp32 projection in force (a fresh tensor when stored as bits)."""
         a = self.stored_projection
-        return a if a is None or a.dtype != torch.int8 else signs_to_projection(a)
+        return a if a is None or a.dtype != torch.uint8 else unpack_projection(a, self.in_features)
 
     @projection.setter
     def projection(self, value: torch.Tensor | None) -> None:
@@ -116,10 +118,11 @@ class _SketchedLinear(torch.autograd.Function):
             target.input_sq.add_(torch.linalg.vector_norm(flat, dim=0, dtype=torch.float32).square())
             target.input_count.add_(flat.shape[0])
         y = F.linear(x, weight)
-        if target.shared_input is not None:
-            p = target.shared_input.project(x, target)
-        else:
-            p = F.linear(x, target.projection.to(x.dtype))
+        with record_function("logra.project"):  # named ranges: `logra bench memory` times them
+            if target.shared_input is not None:
+                p = target.shared_input.project(x, target)
+            else:
+                p = F.linear(x, target.projection.to(x.dtype))
         ctx.save_for_backward(p, weight)
         ctx.target = target
         ctx.x_dtype = x.dtype
@@ -129,8 +132,9 @@ class _SketchedLinear(torch.autograd.Function):
     def backward(ctx, h):
         p, weight = ctx.saved_tensors
         sketch = ctx.target.sketch
-        # fp32 accumulation: sketches of several micro-batches are summed in place.
-        sketch.addmm_(h.reshape(-1, h.shape[-1]).T.float(), p.reshape(-1, p.shape[-1]).float())
+        with record_function("logra.sketch"):
+            # fp32 accumulation: sketches of several micro-batches are summed in place.
+            sketch.addmm_(h.reshape(-1, h.shape[-1]).T.float(), p.reshape(-1, p.shape[-1]).float())
         dx = None
         if ctx.needs_input_grad[0]:
             dx = h.matmul(weight.to(h.dtype)).to(ctx.x_dtype)
@@ -149,13 +153,14 @@ class _SketchedEmbedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, h):
         (ids,) = ctx.saved_tensors
-        hp = h.reshape(-1, h.shape[-1]).float() @ ctx.projection.T
-        ids = ids.reshape(-1)
-        if ctx.padding_idx is not None:
-            # The dense gradient of the padding row is zero by definition.
-            keep = ids != ctx.padding_idx
-            ids, hp = ids[keep], hp[keep]
-        ctx.target.sketch.index_add_(0, ids, hp)
+        with record_function("logra.sketch"):
+            hp = h.reshape(-1, h.shape[-1]).float() @ ctx.projection.T
+            ids = ids.reshape(-1)
+            if ctx.padding_idx is not None:
+                # The dense gradient of the padding row is zero by definition.
+                keep = ids != ctx.padding_idx
+                ids, hp = ids[keep], hp[keep]
+            ctx.target.sketch.index_add_(0, ids, hp)
         return None, None, None, None, None
 
 

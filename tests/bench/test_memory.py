@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from logra.bench import memory
 
 # The --quick shape of the benchmark, spelled out so the references below are independent.
@@ -32,7 +34,8 @@ def test_quick_benchmark_table_and_gradient_bytes(tmp_path, capsys):
     assert memory.main(["--quick", "--repeats", "1", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
 
-    rows = [line for line in printed.splitlines() if line.startswith("| ")]
+    main_table = printed.split("### LoGRA's step by part")[0]
+    rows = [line for line in main_table.splitlines() if line.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == list(memory.METHODS)
     assert "PASS" in printed or "FAIL" in printed
     assert "step time" in printed and "peak memory" in printed
@@ -58,10 +61,10 @@ def test_quick_benchmark_table_and_gradient_bytes(tmp_path, capsys):
     assert freeze["trainable_params"] == 0
     assert freeze["peak_by_category"]["gradients"] == sketch_bytes
     # State: one fp32 second moment per row plus one [r, in] projection per target, stored
-    # as int8 Rademacher signs.
+    # as Rademacher sign bits.
     in_sum = LAYERS * (6 * HIDDEN + INTER)
-    assert freeze["projection_bytes"] == RANK * in_sum
-    assert freeze["peak_by_category"]["optimizer"] >= _target_rows() * 4 + RANK * in_sum
+    assert freeze["projection_bytes"] == RANK * in_sum // 8
+    assert freeze["peak_by_category"]["optimizer"] >= _target_rows() * 4 + RANK * in_sum // 8
 
     sk = results["logra-sketch"]
     sketch_bytes_emb = (_target_rows() + 2 * VOCAB) * RANK * 4  # + embedding and lm_head sketches
@@ -72,3 +75,32 @@ def test_quick_benchmark_table_and_gradient_bytes(tmp_path, capsys):
     assert sketch_bytes_emb <= sk["peak_by_category"]["gradients"] <= sketch_bytes_emb + 4 * dense
 
     assert freeze["tracked_peak"] < adamw["tracked_peak"]
+
+    # One profiled step per LoGRA row: every named part ran, and they are parts of the step.
+    assert adamw["step_parts"] is None and "step by part" in printed
+    for r in (freeze, sk):
+        parts = r["step_parts"]
+        assert all(parts[p] > 0 for p in memory.STEP_PARTS), parts
+        assert sum(parts[p] for p in memory.STEP_PARTS) < parts["step"]
+
+
+def test_token_sweep_runs_every_point_and_summarises(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert memory.main(["--quick", "--tokens", "32,64", "--methods", "adamw,logra-freeze", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    sweep = json.loads(out.read_text())["sweep"]
+    assert [(p["tokens"], p["seq"]) for p in sweep] == [(32, 16), (64, 32)]
+    for point in sweep:
+        adamw, logra = point["results"]
+        assert (adamw["method"], logra["method"]) == ("adamw", "logra-freeze")
+        assert logra["step_parts"]["logra.sketch"] > 0
+    # every point is its own measurement: AdamW's peak grows with the tokens (activations)
+    assert sweep[1]["results"][0]["tracked_peak"] > sweep[0]["results"][0]["tracked_peak"]
+    summary = printed.split("## Token sweep")[1]
+    assert [line.split("|")[1].strip() for line in summary.splitlines() if line.startswith("| ")][1:] == ["32", "64"]
+
+
+def test_token_sweep_rejects_a_count_that_does_not_split_over_the_batch(capsys):
+    with pytest.raises(SystemExit):
+        memory.main(["--quick", "--tokens", "33"])
+    assert "multiple of --batch" in capsys.readouterr().err

@@ -21,9 +21,14 @@ peak includes that state), then
    peak; the JSON keeps every step's peak (``tracked_step_peaks``), the breakdown at the
    optimizer step's peak (``at_optimizer_step``: all gradients exist there, whereas a
    method whose peak falls in the backward pass may hold few of them at its peak) and
-   the tracked steps' times (``tracked_step_times``).
+   the tracked steps' times (``tracked_step_times``);
+3. (LoGRA only) runs one more step under ``torch.profiler`` and reports the share of its
+   wall time spent in the named ranges of LoGRA's step (`STEP_PARTS`: ``X Aᵀ`` in the
+   forward pass, the sketch in the backward pass, the proposal, the merge and the
+   projection refresh).
 
-The parent prints one markdown table and the issue's targets as PASS/FAIL lines.
+The parent prints one markdown table and the issue's targets as PASS/FAIL lines;
+``--tokens 512,2048,...`` repeats all of it per token count and ends with a summary table.
 
 Methods:
     adamw: dense ``torch.optim.AdamW`` on every parameter (fp32 master weights).
@@ -94,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("run")
     run.add_argument("--batch", type=int, default=None, help=f"sequences per step (default {_FULL_RUN['batch']})")
     run.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default {_FULL_RUN['seq']})")
+    run.add_argument("--tokens", default=None, metavar="N,N,...",
+                     help="token sweep: tokens per step (each a multiple of --batch; overrides --seq), one table "
+                     "per point and a summary table, e.g. 512,2048,8192,16384")
     run.add_argument("--rank", type=int, default=None, help=f"LoGRA rank r (default {_FULL_RUN['rank']})")
     run.add_argument("--repeats", type=int, default=None,
                      help=f"timed (untracked) steps after the warm-up step (default {_FULL_RUN['repeats']})")
@@ -104,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "counted as optimizer state; default 0 = the paper)")
     run.add_argument("--logra-optimizer", default="row_adam", choices=("row_adam", "adam", "sgd"),
                      help="LoGRAConfig.optimizer ('adam' adds a sketch-sized second moment; default row_adam = paper)")
+    run.add_argument("--logra-moment-dtype", default="float32", choices=("float32", "bfloat16"),
+                     help="storage dtype of LoGRA's sketch-sized moments (LoGRAConfig.moment_dtype; default float32)")
+    run.add_argument("--logra-fixed-projection", action="store_true",
+                     help="LoGRA keeps one projection for the run (LoGRAConfig.refresh=False, the embedded recipe's) "
+                     "instead of drawing new ones after every update (the paper)")
     run.add_argument("--share-projections", action="store_true",
                      help="LoGRA shares one projection per input (q/k/v, gate/up: LoGRAConfig.share_projections), "
                      "saving X Aᵀ once per input")
@@ -195,7 +208,9 @@ def build_optimizer(method: str, model: nn.Module, args: argparse.Namespace) -> 
     return LoGRAOptimizer(model, LoGRAConfig(rank=args.rank, non_target=non_target,
                                              beta1=getattr(args, "logra_beta1", 0.0),
                                              optimizer=getattr(args, "logra_optimizer", "row_adam"),
-                                             share_projections=getattr(args, "share_projections", False)))
+                                             moment_dtype=getattr(args, "logra_moment_dtype", "float32"),
+                                             share_projections=getattr(args, "share_projections", False),
+                                             refresh=not getattr(args, "logra_fixed_projection", False)))
 
 
 def _sync(device: torch.device) -> None:
@@ -237,6 +252,32 @@ def _tracked_phases(regions: dict[str, MemoryReport], *tracked: nn.Module | torc
             yield
 
     return phase
+
+
+#: Named ranges (`torch.profiler.record_function`) of LoGRA's step: ``X Aᵀ`` in the
+#: forward pass, the sketch ``Hᵀ P`` in the backward pass, the proposal, the merge
+#: ``W -= U A`` and the projection refresh.
+STEP_PARTS: tuple[str, ...] = ("logra.project", "logra.sketch", "logra.propose", "logra.merge", "logra.refresh")
+
+
+def _profiled_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
+                   autocast: bool, device: torch.device) -> dict[str, float | None]:
+    """One full step under ``torch.profiler``: seconds in each of `STEP_PARTS` and in the
+    whole step (``'step'``). On CUDA a part's time is the GPU time the profiler attributes
+    to its range (None where it attributes none)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        _, fb, st = _train_step(model, opt, batch, autocast, device)
+    parts: dict[str, float | None] = {name: 0.0 for name in STEP_PARTS}
+    for event in prof.key_averages():
+        if event.key in parts:
+            us = event.device_time_total if device.type == "cuda" else event.cpu_time_total
+            parts[event.key] += us / 1e6
+    if device.type == "cuda":
+        parts = {k: (v or None) for k, v in parts.items()}
+    return {**parts, "step": fb + st}
 
 
 def _log(method: str, message: str) -> None:
@@ -300,6 +341,10 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
         losses.append(loss)
         tracked_times.append(fb + st)
         log(method, f"tracked step {i + 1}/{args.memory_repeats} {fb + st:.2f} s")
+    step_parts = None
+    if isinstance(opt, LoGRAOptimizer):
+        step_parts = _profiled_step(model, opt, batch, autocast, device)
+        log(method, f"profiled step {step_parts['step']:.2f} s")
     report = max((r for regions in steps for r in regions.values()), key=lambda r: r.peak_total)
     at_opt = max((regions["optimizer"] for regions in steps), key=lambda r: r.peak_total)
     cuda = device.type == "cuda"
@@ -323,17 +368,21 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
         "optimizer_step_median": statistics.median(p[1] for p in phases),
         "tracked_step_times": tracked_times,
         "losses": losses,
+        "step_parts": step_parts,
     }
     if isinstance(opt, LoGRAOptimizer):
         result["sketch_buffer_bytes"] = opt.sketch_buffer.numel() * opt.sketch_buffer.element_size()
         result["sketch_rows"] = opt.sketch_buffer.shape[0]
-        result["projection_bytes"] = sum(
-            a.numel() * a.element_size() for a in (opt.sketch_target(n).stored_projection for n in opt.targets))
+        stored = {id(a): a for a in (opt.sketch_target(n).stored_projection for n in opt.targets)}  # shared: once
+        result["projection_bytes"] = sum(a.numel() * a.element_size() for a in stored.values())
         result["dense_params"] = sum(p.numel() for p in opt.dense_parameters())
         result["logra_state_bytes"] = {
             cat: sum(t.numel() * t.element_size() for t in ts) for cat, ts in opt.memory_tensors().items()
         }
         result["targets"] = len(opt.targets)
+        # what the step allocates beyond the persistent state, at the optimizer step's peak
+        result["step_transient_bytes"] = max(0, at_opt.peak_by_category["optimizer"]
+                                             - result["logra_state_bytes"]["optimizer"])
     return result
 
 
@@ -385,6 +434,21 @@ def timing_cells(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
                     f"{r['step_time_median'] / base['step_time_median']:.3f}"]
 
 
+def parts_table(results: list[dict[str, Any]]) -> str:
+    """Markdown: the share of one profiled LoGRA step spent in each of `STEP_PARTS` (the rest
+    is the model's own forward and backward and, with 'sketch', the small AdamW)."""
+    rows = [r for r in results if r.get("step_parts")]
+    if not rows:
+        return ""
+    head = ["method", "profiled step (s)"] + [f"{p.removeprefix('logra.')} (%)" for p in STEP_PARTS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        parts = r["step_parts"]
+        cells = ["-" if parts[p] is None else f"{100 * parts[p] / parts['step']:.1f}" for p in STEP_PARTS]
+        lines.append("| " + " | ".join([r["method"], f"{parts['step']:.2f}"] + cells) + " |")
+    return "\n".join(lines)
+
+
 def target_lines(results: list[dict[str, Any]], checkpointing: bool, tokens: int) -> list[str]:
     """PASS/FAIL lines of the targets for every LoGRA row: peak vs AdamW (needs the AdamW
     row), LoGRA's own tensors vs the weights, and step time at ``tokens`` per step."""
@@ -402,7 +466,7 @@ def target_lines(results: list[dict[str, Any]], checkpointing: bool, tokens: int
             if r.get("cuda_max_allocated") is not None and base.get("cuda_max_allocated"):
                 checks.append((f"LoGRA peak memory ≤ {peak:.2f} × AdamW's {ckpt} checkpointing (CUDA max allocated)",
                                r["cuda_max_allocated"] / base["cuda_max_allocated"], peak))
-        own = r["sketch_buffer_bytes"] + r["projection_bytes"] + r["peak_by_category"]["temporary"]
+        own = r["sketch_buffer_bytes"] + r["projection_bytes"] + r["step_transient_bytes"]
         checks.append((f"LoGRA's own tensors (sketch buffer + projections + step transients) ≤ {OWN_TARGET:.2f} × "
                        "the fp32 weights", own / r["peak_by_category"]["parameters"], OWN_TARGET))
         for text, ratio, limit in checks:
@@ -420,14 +484,48 @@ def target_lines(results: list[dict[str, Any]], checkpointing: bool, tokens: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``logra bench memory``: spawn one worker per method, print the table and targets."""
+    """``logra bench memory``: spawn one worker per method, print the table and targets
+    (per point of ``--tokens``, then the sweep's summary)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = _resolve(parser.parse_args(argv))
     methods = _validate(parser, args)
     if args.worker is not None:
         return _worker_main(args)
+    points = _token_points(parser, args)
+    sweep = []
+    for seq in points:
+        args.seq = seq
+        if len(points) > 1:
+            print(f"# {args.batch * seq} tokens per step\n")
+        results = _run_point(args, methods)
+        sweep.append({"tokens": args.batch * seq, "seq": seq, "results": results})
+    if len(points) > 1:
+        print("## Token sweep\n")
+        print(sweep_table(sweep))
+    if args.out is not None:
+        setup = {k: v for k, v in vars(args).items() if k not in ("out", "worker", "worker_out")}
+        payload = {"setup": setup, "results": sweep[0]["results"]} if len(points) == 1 else {
+            "setup": setup, "sweep": sweep}
+        args.out.write_text(json.dumps(payload, indent=2, default=str))
+    return 0
 
+
+def _token_points(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    """Sequence lengths of the run: ``--tokens`` split over ``--batch`` sequences, else ``--seq``."""
+    if not args.tokens:
+        return [args.seq]
+    points = []
+    for item in args.tokens.split(","):
+        tokens = int(item)
+        if tokens < args.batch or tokens % args.batch:
+            parser.error(f"--tokens {tokens} is not a positive multiple of --batch {args.batch}")
+        points.append(tokens // args.batch)
+    return points
+
+
+def _run_point(args: argparse.Namespace, methods: list[str]) -> list[dict[str, Any]]:
+    """One table: every method at ``args.seq`` tokens per sequence; prints it and the targets."""
     # Workers get the fully resolved options, so they cannot disagree with this table.
     worker_argv = [
         "--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
@@ -437,13 +535,14 @@ def main(argv: list[str] | None = None) -> int:
         "--device", args.device,
         "--autocast", args.autocast, "--adamw-impl", args.adamw_impl, "--threads", str(args.threads),
         "--seed", str(args.seed), "--logra-beta1", str(args.logra_beta1), "--logra-optimizer", args.logra_optimizer,
+        "--logra-moment-dtype", args.logra_moment_dtype,
     ]
-    for flag in ("share_projections", "tie", "checkpointing"):
+    for flag in ("share_projections", "logra_fixed_projection", "tie", "checkpointing"):
         if getattr(args, flag):
             worker_argv.append("--" + flag.replace("_", "-"))
     results = []
     for method in methods:
-        _log(method, "starting worker process")
+        _log(method, f"starting worker process ({args.batch} × {args.seq} tokens)")
         results.append(spawn_worker(method, worker_argv, "logra.bench.memory"))
 
     setup = (f"Qwen2 random init, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
@@ -451,22 +550,45 @@ def main(argv: list[str] | None = None) -> int:
              f"batch {args.batch} × {args.seq} tokens; rank {args.rank}"
              f"{f', LoGRA beta1 {args.logra_beta1:g}' if args.logra_beta1 else ''}"
              f"{', shared q/k/v and gate/up projections' if args.share_projections else ''}"
-             f"{f', LoGRA optimizer {args.logra_optimizer}' if args.logra_optimizer != 'row_adam' else ''}; "
+             f"{', one fixed projection per layer' if args.logra_fixed_projection else ''}"
+             f"{f', LoGRA optimizer {args.logra_optimizer}' if args.logra_optimizer != 'row_adam' else ''}"
+             f"{f', LoGRA moments {args.logra_moment_dtype}' if args.logra_moment_dtype != 'float32' else ''}; "
              f"compute {args.autocast}; "
              f"activation checkpointing {'on' if args.checkpointing else 'off'}; "
              f"device {args.device}; {args.threads} thread(s); 1 warm-up + {args.repeats} timed + "
-             f"{args.memory_repeats} memory-tracked step(s) per method, one process per method. Step time: "
+             f"{args.memory_repeats} memory-tracked step(s) per method (+ 1 profiled step for LoGRA), one process "
+             "per method. Step time: "
              "median of the untracked steps; 'fwd+bwd / opt' splits it into forward+backward and "
              "optimizer step+zero_grad (medians).")
     print(f"## LoGRA vs AdamW: peak memory by category and step time\n\n{setup}\n")
     print(format_table(results))
+    parts = parts_table(results)
+    if parts:
+        print("\n### LoGRA's step by part (one profiled step; % of its wall time)\n")
+        print(parts)
     print()
     print("\n".join(target_lines(results, args.checkpointing, args.batch * args.seq)))
-    if args.out is not None:
-        payload = {"setup": {k: v for k, v in vars(args).items() if k not in ("out", "worker", "worker_out")},
-                   "results": results}
-        args.out.write_text(json.dumps(payload, indent=2, default=str))
-    return 0
+    print(flush=True)
+    return results
+
+
+def sweep_table(sweep: list[dict[str, Any]]) -> str:
+    """Markdown: per token count and LoGRA method, peak and step time against AdamW's and
+    the shares of LoGRA's step (from each point's profiled step)."""
+    head = ["tokens per step", "method", "tracked peak / AdamW", "step time / AdamW"]
+    head += [f"{p.removeprefix('logra.')} (%)" for p in STEP_PARTS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for point in sweep:
+        base = next((r for r in point["results"] if r["method"] == _BASELINE), None)
+        for r in point["results"]:
+            if r["method"] == _BASELINE:
+                continue
+            ratios = ["-", "-"] if base is None else [f"{r['tracked_peak'] / base['tracked_peak']:.3f}",
+                                                       f"{r['step_time_median'] / base['step_time_median']:.3f}"]
+            parts = r.get("step_parts") or {}
+            shares = ["-" if parts.get(p) is None else f"{100 * parts[p] / parts['step']:.1f}" for p in STEP_PARTS]
+            lines.append("| " + " | ".join([str(point["tokens"]), r["method"], *ratios, *shares]) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ keeps alive in a Hugging Face Qwen2/Llama decoder:
   (AdamW: two moments in the parameter dtype, as ``torch.optim.AdamW`` allocates them;
   LoRA: fp32 adapters, as PEFT creates them, with their own AdamW state; LoGRA: the
   ``[Σ out, r]`` fp32 sketch buffer in place of gradients, one fp32 second moment per
-  output row and the ``[r, in]`` projections, stored as int8 Rademacher signs).
+  output row and the ``[r, in]`` projections, stored as Rademacher sign bits).
 * **activations** are the tensors autograd saves for backward. The per-token
   coefficients in `predict_saved_activations` were read off
   `measure_saved_activations` (``torch.autograd.graph.saved_tensors_hooks`` on tiny

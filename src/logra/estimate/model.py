@@ -201,18 +201,19 @@ def estimate(
     sketch = moments = projections = 0
     rows = 0
     if m.startswith("logra"):
+        # Rademacher projections are stored as sign bits: ⌈in/8⌉ bytes per row of A
         rows = L * sum(o for _, o, _ in targets)
-        cols = L * sum(i for _, _, i in targets)
+        in_bytes = L * sum(-(-i // 8) for _, _, i in targets)
         if m == "logra-sketch":
             rows += v * (1 if shape.tie_embeddings else 2)
-            cols += h * (1 if shape.tie_embeddings else 2)
-        # Rademacher projections are stored as int8 signs (1 byte per entry)
-        sketch, moments, projections = rows * rank * 4, rows * 4, cols * rank
-        # propose(): directions D, new moments, every target's r×r Gram matrix A Aᵀ and
-        # one target's squared sketch; apply(): the bf16 factors U kept for the PolicyDelta
-        n_targets = 7 * L + (0 if m == "logra-freeze" else (1 if shape.tie_embeddings else 2))
+            in_bytes += -(-h // 8) * (1 if shape.tie_embeddings else 2)
+        sketch, moments, projections = rows * rank * 4, rows * 4, in_bytes * rank
+        # propose() peaks as it forms the last directions D: all of D, the new row moments,
+        # one r×r Gram matrix A Aᵀ (formed target by target when projections are redrawn
+        # every update) and two [out, r] fp32 temporaries of the widest target. apply()
+        # holds less: it releases each D as that target's bf16 factor U is made.
         widest = max(inter, h, v if m == "logra-sketch" else 0)
-        step_scratch += sketch + rows * rank * 2 + moments + n_targets * rank * rank * 4 + widest * rank * 4
+        step_scratch += sketch + moments + rank * rank * 4 + 2 * widest * rank * 4
 
     # ---- activations and temporaries
     saved = predict_saved_activations(
