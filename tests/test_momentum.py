@@ -147,6 +147,8 @@ def test_bfloat16_moments_halve_their_memory_and_resume_bitwise(tmp_path):
     (_, opt), (_, opt2) = resumed_run(cfg, tmp_path, before=3, after=5)  # checks the weights
     for name, m in opt.momenta().items():
         assert torch.equal(m, opt2.momenta()[name]), name
+    with pytest.warns(UserWarning, match="not bitwise"):  # fp32 ← bf16 moments: cast, and said so
+        LoGRAOptimizer(tiny_qwen2(), _momentum_config(optimizer="adam")).load_state_dict(opt.state_dict())
 
 
 def test_beta1_zero_is_the_paper_update_bitwise():

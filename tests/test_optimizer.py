@@ -264,6 +264,27 @@ def test_stale_and_foreign_proposals():
     opt.apply(p)
     with pytest.raises(StaleProposalError, match="stale"):
         opt.apply(p)
+    with pytest.raises(StaleProposalError, match="stale"):
+        p.perturbed(torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("refresh", [False, True])
+def test_step_norm_uses_the_projection_in_force(refresh):
+    """The Gram matrices behind ‖D A‖ follow the projections, also one set directly."""
+    model = tiny_qwen2()
+    opt = LoGRAOptimizer(model, LoGRAConfig(rank=4, refresh=refresh, update_ratio=1e-3))
+    f64 = torch.float64
+    for step in range(3):
+        model(**token_batch(97, seed=step)).loss.backward()
+        if step == 2:  # a projection assigned from outside, after the Grams were formed
+            for i, name in enumerate(opt.targets):
+                t = opt.sketch_target(name)
+                t.projection = make_projection(4, t.in_features, 1000 + i)
+        p = opt.propose()
+        exact = sum(float((p.directions[n].to(f64) @ opt.projection(n).to(f64)).square().sum()) for n in opt.targets)
+        assert p.update_norm == pytest.approx(exact**0.5, rel=1e-5)
+        opt.apply(p)
+        opt.zero_grad()
 
 
 def test_adamw_non_targets_train_and_resume(tmp_path):

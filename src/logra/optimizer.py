@@ -92,9 +92,16 @@ def _all_finite(x: torch.Tensor) -> bool:
     return x.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
 
 
-def _decayed(state: torch.Tensor, beta: float) -> torch.Tensor:
-    """``β·state`` in a new fp32 tensor (the stored state may be bf16)."""
-    return state.to(torch.float32) * beta
+# The next moments, in new fp32 tensors from the stored state (fp32 or bf16). `propose` and
+# `apply` both call these, so the state stores exactly the values the proposal used.
+def _next_first_moment(m: torch.Tensor, s: torch.Tensor, beta1: float, clip: float) -> torch.Tensor:
+    """``β1·M + (1-β1)·clip·S``."""
+    return (m.to(torch.float32) * beta1).add_(s, alpha=(1.0 - beta1) * clip)
+
+
+def _next_element_v(v: torch.Tensor, s: torch.Tensor, beta2: float, clip: float) -> torch.Tensor:
+    """``β2·V + (1-β2)·(clip·S)²``, element-wise."""
+    return (v.to(torch.float32) * beta2).addcmul_(s, s, value=(1.0 - beta2) * clip * clip)
 
 
 def _sketch_update_sq_norm(d: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
@@ -126,7 +133,14 @@ class Proposal:
     _beta1: float | None = field(repr=False, default=None)
 
     def perturbed(self, eps: torch.Tensor) -> AbstractContextManager[None]:
-        """Within the block the model computes at ``θ + ε·Δ`` (a dual ``ε`` gives the tangent)."""
+        """Within the block the model computes at ``θ + ε·Δ`` (a dual ``ε`` gives the tangent).
+
+        Raises:
+            StaleProposalError: the proposal was applied (or the optimizer stepped since).
+        """
+        if self.step != self._owner.num_updates:
+            raise StaleProposalError(f"proposal of update {self.step} is stale: the optimizer is at update "
+                                     f"{self._owner.num_updates}")
         return self._owner._sketches.probing(eps, self.directions, self.decay)
 
 
@@ -196,9 +210,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._input_means = {n: torch.zeros_like(t.input_sq) for n, t in targets.items() if t.input_sq is not None}
         self._input_updates = 0
         self._column_scales: dict[str, torch.Tensor] = {}  # the c of the projections in force
-        # A Aᵀ of the projections in force, formed at the first proposal after a refresh: with
-        # fixed projections, once per run instead of once per update.
-        self._grams: dict[str, torch.Tensor] = {}
+        # A Aᵀ of the projections in force by id of the stored projection (kept with it), formed
+        # at the first proposal after a refresh: with fixed projections, once per run.
+        self._grams: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._projection_index: int | None = None
         self._refresh_projections()
 
@@ -244,7 +258,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         state = list(self._second_moments.values()) + list(shared.values())
         state += list(self._input_means.values()) + list(self._column_scales.values())
         state += [b for b in (self._momentum, self._element_v) if b is not None]
-        state += list({id(g): g for g in self._grams.values()}.values())
+        state += [gram for _, gram in self._grams.values()]
         if self._dense is not None:
             state += [v for s in self._dense.state.values() for v in s.values() if torch.is_tensor(v)]
         return {"gradients": [self._sketches.buffer], "optimizer": state}
@@ -273,13 +287,16 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
 
     @torch.no_grad()
-    @record_function("logra.propose")
     def propose(self) -> Proposal:
         """The step that would be taken now; weights and optimizer state are unchanged.
 
         Raises:
             NonFiniteSketchError: a sketch or dense gradient holds NaN/Inf.
         """
+        with record_function("logra.propose"):  # a named range: `logra bench memory` times it
+            return self._propose()
+
+    def _propose(self) -> Proposal:
         buffer = self._sketches.buffer
         dense_grads = [p.grad for p in self.dense_parameters() if p.grad is not None]
         if not _all_finite(buffer) or not all(_all_finite(g) for g in dense_grads):
@@ -289,11 +306,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         targets = self._sketches.targets
         # A Aᵀ per target: kept while the projections stay (fixed, or refresh windows); with a
         # refresh after every update, formed target by target so that no two exist at once.
-        if not self.config.refresh or self.config.refresh_every > 1:
-            gram = self._projection_grams().__getitem__
-        else:
-            def gram(name: str) -> torch.Tensor:
-                return _gram(targets[name].projection)
+        keep = not self.config.refresh or self.config.refresh_every > 1
+
+        def gram(name: str) -> torch.Tensor:
+            return self._cached_gram(targets[name]) if keep else _gram(targets[name].projection)
         sketch_sq: dict[str, torch.Tensor] = {}
 
         def sketch_norm() -> float:
@@ -308,8 +324,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 clip = self.config.max_grad_norm / (norm + 1e-6)
         directions, moments, layer_sq = {}, {}, {}
         t_next = self._step + 1
-        # The new first moment is formed one target at a time (no second [Σ out, r] buffer):
-        # `apply` repeats the same two in-place operations on the state, so it stores these bits.
+        # The new moments are formed one target at a time (no second [Σ out, r] buffer).
         beta1 = group["beta1"] if self._momentum is not None else None
         old_momenta = self._views(self._momentum) if beta1 is not None else {}
         correction = 1.0 - beta1 ** (self._momentum_steps + 1) if beta1 is not None else 1.0
@@ -321,16 +336,13 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             s = target.sketch * clip if clip != 1.0 else target.sketch
             m = None
             if beta1 is not None:
-                m = _decayed(old_momenta[name], beta1).add_(target.sketch, alpha=(1.0 - beta1) * clip)
-                m.div_(correction)
+                m = _next_first_moment(old_momenta[name], target.sketch, beta1, clip).div_(correction)
             if self.config.optimizer == "row_adam":
                 v_in = m if (m is not None and self.config.second_moment == "momentum") else s
                 directions[name], moments[name] = row_adam_direction(
                     v_in, self._second_moments[name], t_next, group["beta2"], group["eps"], m)
             elif self.config.optimizer == "adam":
-                # `apply` updates the state with the same two operations: v·β2, then addcmul
-                v_new = _decayed(old_element_v[name], group["beta2"]).addcmul_(
-                    target.sketch, target.sketch, value=(1.0 - group["beta2"]) * clip * clip)
+                v_new = _next_element_v(old_element_v[name], target.sketch, group["beta2"], clip)
                 directions[name] = adam_direction(s if m is None else m, v_new, self._element_v_steps + 1,
                                                   group["beta2"], group["eps"])
             else:
@@ -395,19 +407,17 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 merge_update(target.weight, u, target.projection, decay)
                 factors[name] = u
         self._second_moments.update(proposal._second_moments)
-        # The same fp32 operations as in `propose`, one target at a time (a bf16 state is
-        # rounded once, when stored, and no [Σ out, r] fp32 copy is made).
+        # One target at a time: a bf16 state is rounded once, when stored, and no
+        # [Σ out, r] fp32 copy is made.
         sketches = self.sketches()
         if proposal._beta1 is not None:
-            beta1 = proposal._beta1
             for name, m in self.momenta().items():
-                m.copy_(_decayed(m, beta1).add_(sketches[name], alpha=(1.0 - beta1) * proposal._clip))
+                m.copy_(_next_first_moment(m, sketches[name], proposal._beta1, proposal._clip))
             self._momentum_steps += 1
         if self._element_v is not None:
-            beta2, clip = self.param_groups[0]["beta2"], proposal._clip
+            beta2 = self.param_groups[0]["beta2"]
             for name, v in self._views(self._element_v).items():
-                s = sketches[name]
-                v.copy_(_decayed(v, beta2).addcmul_(s, s, value=(1.0 - beta2) * clip * clip))
+                v.copy_(_next_element_v(v, sketches[name], beta2, proposal._clip))
             self._element_v_steps += 1
         if self._input_means:
             self._fold_input_statistics(self.param_groups[0]["beta2"])
@@ -444,16 +454,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.apply(self.propose())
         return loss
 
-    def _projection_grams(self) -> dict[str, torch.Tensor]:
-        """Per target, ``A Aᵀ`` of its projection in force (one tensor per distinct projection)."""
-        if not self._grams:
-            by_projection: dict[int, torch.Tensor] = {}
-            for name, target in self._sketches.targets.items():
-                key = id(target.stored_projection)
-                if key not in by_projection:
-                    by_projection[key] = _gram(target.projection)
-                self._grams[name] = by_projection[key]
-        return self._grams
+    def _cached_gram(self, target: SketchTarget) -> torch.Tensor:
+        """``A Aᵀ`` of ``target``'s projection in force, formed once per stored projection
+        (shared projections share it; a projection set anew gets a new one)."""
+        source = target.stored_projection
+        entry = self._grams.get(id(source))
+        if entry is None or entry[0] is not source:
+            entry = self._grams[id(source)] = (source, _gram(target.projection))
+        return entry[1]
 
     # ------------------------------------------------------------------ state
     def _fold_input_statistics(self, beta: float) -> None:
@@ -564,6 +572,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             raise ValueError("optimizer state and this optimizer disagree on the first moment (beta1 > 0)")
         for name, v in state_dict["second_moments"].items():
             self._second_moments[name] = v.to(self._second_moments[name])
+        for saved, ours in ((momentum, self._momentum), (state_dict.get("element_v"), self._element_v)):
+            if saved is not None and ours is not None and saved.dtype != ours.dtype:
+                warnings.warn(f"optimizer state has {saved.dtype} moments and moment_dtype is {ours.dtype}: "
+                              "they are cast, so this resume is not bitwise", stacklevel=2)
+                break
         if momentum is not None:
             self._momentum.copy_(momentum)
             self._momentum_steps = state_dict["momentum_steps"]

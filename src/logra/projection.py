@@ -72,9 +72,10 @@ def rademacher_signs(rank: int, in_features: int, seed: int,
     return signs.to(device) if device is not None else signs
 
 
-def signs_to_projection(signs: torch.Tensor) -> torch.Tensor:
-    """fp32 projection ``signs / √rank`` from `rademacher_signs` (bitwise `make_projection`'s)."""
-    return signs.to(torch.float32).mul_(1.0 / math.sqrt(signs.shape[0]))
+def signs_to_projection(signs: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+    """fp32 projection ``signs / √rank`` from `rademacher_signs` (bitwise `make_projection`'s);
+    ``rank`` defaults to the rows of ``signs``."""
+    return signs.to(torch.float32).mul_(1.0 / math.sqrt(signs.shape[0] if rank is None else rank))
 
 
 def pack_signs(signs: torch.Tensor) -> torch.Tensor:
@@ -90,9 +91,9 @@ def pack_signs(signs: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _byte_table(rank: int, device: torch.device) -> torch.Tensor:
     """``[256, 8]`` fp32: row ``b`` holds the eight entries ``±1/√rank`` that byte ``b`` encodes."""
-    byte = torch.arange(256, dtype=torch.uint8)
-    signs = ((byte.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).to(torch.int8).mul_(2).sub_(1)
-    return signs.to(torch.float32).mul_(1.0 / math.sqrt(rank)).to(device)  # as `signs_to_projection`
+    byte = torch.arange(256, dtype=torch.uint8, device="cpu")
+    bits = (byte.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device="cpu")) & 1
+    return signs_to_projection(bits.to(torch.int8).mul_(2).sub_(1), rank).to(device)
 
 
 def unpack_projection(bits: torch.Tensor, in_features: int) -> torch.Tensor:

@@ -79,6 +79,8 @@ def test_quick_benchmark_table_and_gradient_bytes(tmp_path, capsys):
     # One profiled step per LoGRA row: every named part ran, and they are parts of the step.
     assert adamw["step_parts"] is None and "step by part" in printed
     for r in (freeze, sk):
+        # the step's own transients: at least the directions D (one fp32 value per sketch entry)
+        assert r["step_transient_bytes"] >= freeze["sketch_buffer_bytes"]
         parts = r["step_parts"]
         assert all(parts[p] > 0 for p in memory.STEP_PARTS), parts
         assert sum(parts[p] for p in memory.STEP_PARTS) < parts["step"]

@@ -260,7 +260,8 @@ def _worker_main(args: argparse.Namespace) -> int:
     )
     ranked = args.worker in _LOGRA + _PEERS_RANKED
     label = f"{args.worker_size} {_label(args.worker, args.worker_rank if ranked else None)}"
-    result = memory.run_worker(args.worker, wargs, log=lambda _, msg: _log(label, msg), setup=_setup)
+    result = memory.run_worker(args.worker, wargs, log=lambda _, msg: _log(label, msg), setup=_setup,
+                               profile_parts=False)
     result["size"] = args.worker_size
     result["rank"] = args.worker_rank
     assert args.worker_out is not None

@@ -272,7 +272,9 @@ def _profiled_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str
         _, fb, st = _train_step(model, opt, batch, autocast, device)
     parts: dict[str, float | None] = {name: 0.0 for name in STEP_PARTS}
     for event in prof.key_averages():
-        if event.key in parts:
+        # a range's CPU row; on CUDA its device time sums the kernels launched inside it (the
+        # GPU-annotation row of the same name would count them again)
+        if event.key in parts and event.device_type == torch.autograd.DeviceType.CPU:
             us = event.device_time_total if device.type == "cuda" else event.cpu_time_total
             parts[event.key] += us / 1e6
     if device.type == "cuda":
@@ -294,11 +296,12 @@ def _default_setup(method: str, model: nn.Module, args: argparse.Namespace) -> t
 
 
 def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], None] = _log,
-               setup: Setup = _default_setup) -> dict[str, Any]:
+               setup: Setup = _default_setup, profile_parts: bool = True) -> dict[str, Any]:
     """Measure one method in this process; returns the raw numbers (bytes, seconds).
 
     ``setup`` builds the optimizer (default: `build_optimizer`); other benchmarks pass
     their own to measure more methods with the same model, batch and step loop.
+    ``profile_parts``: for LoGRA, one more step under the profiler (`STEP_PARTS`).
     """
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -342,7 +345,7 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
         tracked_times.append(fb + st)
         log(method, f"tracked step {i + 1}/{args.memory_repeats} {fb + st:.2f} s")
     step_parts = None
-    if isinstance(opt, LoGRAOptimizer):
+    if profile_parts and isinstance(opt, LoGRAOptimizer):
         step_parts = _profiled_step(model, opt, batch, autocast, device)
         log(method, f"profiled step {step_parts['step']:.2f} s")
     report = max((r for regions in steps for r in regions.values()), key=lambda r: r.peak_total)
@@ -444,9 +447,14 @@ def parts_table(results: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         parts = r["step_parts"]
-        cells = ["-" if parts[p] is None else f"{100 * parts[p] / parts['step']:.1f}" for p in STEP_PARTS]
-        lines.append("| " + " | ".join([r["method"], f"{parts['step']:.2f}"] + cells) + " |")
+        lines.append("| " + " | ".join([r["method"], f"{parts['step']:.2f}", *_shares(parts)]) + " |")
     return "\n".join(lines)
+
+
+def _shares(parts: dict[str, float | None] | None) -> list[str]:
+    """Per `STEP_PARTS` entry, its percentage of the profiled step ('-' where not measured)."""
+    parts = parts or {}
+    return ["-" if parts.get(p) is None else f"{100 * parts[p] / parts['step']:.1f}" for p in STEP_PARTS]
 
 
 def target_lines(results: list[dict[str, Any]], checkpointing: bool, tokens: int) -> list[str]:
@@ -517,7 +525,10 @@ def _token_points(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         return [args.seq]
     points = []
     for item in args.tokens.split(","):
-        tokens = int(item)
+        try:
+            tokens = int(item)
+        except ValueError:
+            parser.error(f"--tokens takes comma-separated integers, got {args.tokens!r}")
         if tokens < args.batch or tokens % args.batch:
             parser.error(f"--tokens {tokens} is not a positive multiple of --batch {args.batch}")
         points.append(tokens // args.batch)
@@ -585,9 +596,8 @@ def sweep_table(sweep: list[dict[str, Any]]) -> str:
                 continue
             ratios = ["-", "-"] if base is None else [f"{r['tracked_peak'] / base['tracked_peak']:.3f}",
                                                        f"{r['step_time_median'] / base['step_time_median']:.3f}"]
-            parts = r.get("step_parts") or {}
-            shares = ["-" if parts.get(p) is None else f"{100 * parts[p] / parts['step']:.1f}" for p in STEP_PARTS]
-            lines.append("| " + " | ".join([str(point["tokens"]), r["method"], *ratios, *shares]) + " |")
+            lines.append("| " + " | ".join([str(point["tokens"]), r["method"], *ratios, *_shares(r.get("step_parts"))])
+                         + " |")
     return "\n".join(lines)
 
 

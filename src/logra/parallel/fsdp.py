@@ -128,7 +128,10 @@ class RowShardedLoGRA:
 
     @torch.no_grad()
     def apply(self, proposal: Proposal, alpha: float = 1.0) -> PolicyDelta:
-        """Merge this rank's rows of ``α·proposal``; return the full `PolicyDelta`."""
+        """Merge this rank's rows of ``α·proposal``; return the full `PolicyDelta`.
+
+        Unlike `LoGRAOptimizer.apply` it leaves ``proposal.directions`` in place, and the full
+        factors are made before the merge: directions and factors coexist here."""
         local = dataclasses.replace(
             proposal, directions={n: d[self._rows[n]] for n, d in proposal.directions.items()})
         dtype = self.optimizer.config.torch_factor_dtype
