@@ -69,12 +69,13 @@ class _Tracker(MemTracker):
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:  # type: ignore[override]
         # Upstream refuses a second top-level forward of the same module (a new training
-        # step, generation, a KL probe). We only report global peaks, which per-module
-        # statistics do not affect, so start a new set of them instead.
+        # step, generation, a KL probe, an output head run chunk by chunk). We only report
+        # global peaks, which per-module statistics do not affect, so that module starts a
+        # new record; the others keep theirs (their backward may still be to come).
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             name = self._mod_tracker.get_known_fqn(module)
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
-                self.reset_mod_stats()
+                del self.memory_tracking[module]
         super()._pre_fw_hook(module, inputs)
 
     def _record_grad(self, grad: torch.Tensor) -> None:

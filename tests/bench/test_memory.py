@@ -106,3 +106,20 @@ def test_token_sweep_rejects_a_count_that_does_not_split_over_the_batch(capsys):
     with pytest.raises(SystemExit):
         memory.main(["--quick", "--tokens", "33"])
     assert "multiple of --batch" in capsys.readouterr().err
+
+
+def test_chunked_logits_loss_is_the_models_loss_and_is_tracked():
+    """``--logits-chunk``: the same mean next-token NLL, and MemTracker follows an output head
+    called once per chunk (each a top-level forward) through the backward pass."""
+    import torch
+
+    from logra.memory import track_memory
+
+    args = memory._resolve(memory.build_parser().parse_args(["--quick", "--seq", "24"]))
+    model = memory.build_model(args)
+    batch = memory.make_batch(args)
+    full, chunked = memory.make_loss(model, batch), memory.make_loss(model, batch, logits_chunk=5)
+    torch.testing.assert_close(chunked(), full(), rtol=1e-5, atol=1e-6)
+    with track_memory(model) as report:
+        chunked().backward()
+    assert report.peak_by_category["activations"] > 0 and report.peak_total > 0

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "counted as optimizer state; default 0 = the paper)")
     run.add_argument("--logra-optimizer", default="row_adam", choices=("row_adam", "adam", "sgd"),
                      help="LoGRAConfig.optimizer ('adam' adds a sketch-sized second moment; default row_adam = paper)")
+    run.add_argument("--logits-chunk", type=int, default=0, metavar="N",
+                     help="every method computes its loss with the output head N positions at a time under "
+                     "checkpointing (logra train's log-probabilities), not from full [tokens, vocab] logits")
     run.add_argument("--logra-moment-dtype", default="float32", choices=("float32", "bfloat16"),
                      help="storage dtype of LoGRA's sketch-sized moments (LoGRAConfig.moment_dtype; default float32)")
     run.add_argument("--logra-fixed-projection", action="store_true",
@@ -161,6 +164,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list
     for name in ("layers", "intermediate", "vocab", "batch", "seq", "rank", "repeats", "memory_repeats", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.logits_chunk < 0:
+        parser.error("--logits-chunk must be >= 0 (0: the model's own loss)")
     if args.rank > min(args.hidden, args.intermediate):
         parser.error(f"--rank {args.rank} exceeds the smallest input size of a target layer")
     if args.autocast == "bf16" and torch.device(args.device).type != "cuda":
@@ -198,6 +203,18 @@ def make_batch(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     }
 
 
+def make_loss(model: nn.Module, batch: dict[str, torch.Tensor], logits_chunk: int = 0) -> Callable[[], torch.Tensor]:
+    """The step's loss: the model's own next-token loss (full ``[tokens, vocab]`` logits), or
+    with ``logits_chunk`` > 0 the same mean NLL through `logra.rl.rollout.token_logprobs`,
+    whose output head runs that many positions at a time under checkpointing (as the RL
+    loss of ``logra train`` does)."""
+    if not logits_chunk:
+        return lambda: model(**batch).loss
+    from logra.rl.rollout import token_logprobs
+
+    return lambda: -token_logprobs(model, batch["input_ids"], batch["attention_mask"], chunk=logits_chunk)[:, 1:].mean()
+
+
 def build_optimizer(method: str, model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     """The optimizer of ``method`` (LoGRA installs its sketches on ``model`` here)."""
     if method == "adamw":
@@ -218,7 +235,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[[], torch.Tensor],
                 autocast: bool, device: torch.device,
                 phase: Callable[[str], AbstractContextManager[Any]] | None = None) -> tuple[float, float, float]:
     """One full step; returns (loss, forward+backward seconds, optimizer step + zero_grad seconds).
@@ -230,7 +247,7 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, t
     t0 = time.perf_counter()
     with phase("forward_backward"):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(**batch).loss
+            loss = loss_fn()
         loss.backward()
         _sync(device)
     t1 = time.perf_counter()
@@ -260,7 +277,7 @@ def _tracked_phases(regions: dict[str, MemoryReport], *tracked: nn.Module | torc
 STEP_PARTS: tuple[str, ...] = ("logra.project", "logra.sketch", "logra.propose", "logra.merge", "logra.refresh")
 
 
-def _profiled_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
+def _profiled_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[[], torch.Tensor],
                    autocast: bool, device: torch.device) -> dict[str, float | None]:
     """One full step under ``torch.profiler``: seconds in each of `STEP_PARTS` and in the
     whole step (``'step'``). On CUDA a part's time is the GPU time the profiler attributes
@@ -269,7 +286,7 @@ def _profiled_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        _, fb, st = _train_step(model, opt, batch, autocast, device)
+        _, fb, st = _train_step(model, opt, loss_fn, autocast, device)
     parts: dict[str, float | None] = {name: 0.0 for name in STEP_PARTS}
     for event in prof.key_averages():
         # a range's CPU row; on CUDA its device time sums the kernels launched inside it (the
@@ -315,9 +332,10 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
     log(method, f"built model, {n_params / 1e6:.1f}M parameters ({time.perf_counter() - t0:.1f} s)")
     batch = make_batch(args)
     model, opt = setup(method, model, args)
+    loss_fn = make_loss(model, batch, getattr(args, "logits_chunk", 0))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    loss, fb, st = _train_step(model, opt, batch, autocast, device)
+    loss, fb, st = _train_step(model, opt, loss_fn, autocast, device)
     warmup_time = fb + st
     log(method, f"warm-up step {fb + st:.2f} s (loss {loss:.3f})")
     gc.collect()
@@ -326,7 +344,7 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
     phases: list[tuple[float, float]] = []
     losses: list[float] = []
     for i in range(args.repeats):
-        loss, fb, st = _train_step(model, opt, batch, autocast, device)
+        loss, fb, st = _train_step(model, opt, loss_fn, autocast, device)
         losses.append(loss)
         times.append(fb + st)
         phases.append((fb, st))
@@ -338,7 +356,7 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
     steps: list[dict[str, MemoryReport]] = []
     for i in range(args.memory_repeats):
         regions: dict[str, MemoryReport] = {}
-        loss, fb, st = _train_step(model, opt, batch, autocast, device,
+        loss, fb, st = _train_step(model, opt, loss_fn, autocast, device,
                                    phase=_tracked_phases(regions, model, opt, device=device))
         steps.append(regions)
         losses.append(loss)
@@ -346,7 +364,7 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
         log(method, f"tracked step {i + 1}/{args.memory_repeats} {fb + st:.2f} s")
     step_parts = None
     if profile_parts and isinstance(opt, LoGRAOptimizer):
-        step_parts = _profiled_step(model, opt, batch, autocast, device)
+        step_parts = _profiled_step(model, opt, loss_fn, autocast, device)
         log(method, f"profiled step {step_parts['step']:.2f} s")
     report = max((r for regions in steps for r in regions.values()), key=lambda r: r.peak_total)
     at_opt = max((regions["optimizer"] for regions in steps), key=lambda r: r.peak_total)
@@ -546,7 +564,7 @@ def _run_point(args: argparse.Namespace, methods: list[str]) -> list[dict[str, A
         "--device", args.device,
         "--autocast", args.autocast, "--adamw-impl", args.adamw_impl, "--threads", str(args.threads),
         "--seed", str(args.seed), "--logra-beta1", str(args.logra_beta1), "--logra-optimizer", args.logra_optimizer,
-        "--logra-moment-dtype", args.logra_moment_dtype,
+        "--logra-moment-dtype", args.logra_moment_dtype, "--logits-chunk", str(args.logits_chunk),
     ]
     for flag in ("share_projections", "logra_fixed_projection", "tie", "checkpointing"):
         if getattr(args, flag):
@@ -565,6 +583,7 @@ def _run_point(args: argparse.Namespace, methods: list[str]) -> list[dict[str, A
              f"{f', LoGRA optimizer {args.logra_optimizer}' if args.logra_optimizer != 'row_adam' else ''}"
              f"{f', LoGRA moments {args.logra_moment_dtype}' if args.logra_moment_dtype != 'float32' else ''}; "
              f"compute {args.autocast}; "
+             f"{f'logits {args.logits_chunk} positions at a time; ' if args.logits_chunk else ''}"
              f"activation checkpointing {'on' if args.checkpointing else 'off'}; "
              f"device {args.device}; {args.threads} thread(s); 1 warm-up + {args.repeats} timed + "
              f"{args.memory_repeats} memory-tracked step(s) per method (+ 1 profiled step for LoGRA), one process "
