@@ -74,3 +74,10 @@ def test_dense_row_adam_trains_non_targets_and_resumes(tmp_path):
     train(fresh, opt2, 2, 2)
     for (n, x), y in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(x, y), n
+
+
+def test_dense_row_adam_refuses_settings_it_does_not_implement():
+    with pytest.raises(ValueError, match="row_adam"):
+        DenseRowAdam(tiny_qwen2(), LoGRAConfig(rank=4, optimizer="adam"))
+    with pytest.raises(ValueError, match="float32"):
+        DenseRowAdam(tiny_qwen2(), LoGRAConfig(rank=4, moment_dtype="bfloat16"))

@@ -629,6 +629,10 @@ class DenseRowAdam(torch.optim.Optimizer):
 
         if config.update_ratio is None:
             raise ValueError("DenseRowAdam needs LoGRAConfig.update_ratio")
+        if config.optimizer != "row_adam" or config.moment_dtype != "float32":
+            raise ValueError("DenseRowAdam is RowAdam with fp32 state: it needs LoGRAConfig.optimizer='row_adam' and "
+                             f"moment_dtype='float32' (got {config.optimizer!r}, {config.moment_dtype!r}; in logra "
+                             "train: --logra.optimizer row_adam)")
         self.config = config
         groups = find_targets(model, config.target_modules, config.non_target == "sketch")
         targets = []
