@@ -508,7 +508,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         for name, target in self._sketches.targets.items():
             key = projection_key(name, cfg.share_projections)
             seed = projection_seed(cfg.seed, index, key)
-            old = target.projection
+            old = target.projection if name in momenta else None  # rebuilt only where it is used
             if cfg.distribution == "rademacher" and name not in scales:
                 # signs packed as bits: 1/32 of the memory, and `projection` rebuilds the same fp32 bits
                 if key not in drawn:

@@ -275,6 +275,7 @@ def _tracked_phases(regions: dict[str, MemoryReport], *tracked: nn.Module | torc
 #: forward pass, the sketch ``Hᵀ P`` in the backward pass, the proposal, the merge
 #: ``W -= U A`` and the projection refresh.
 STEP_PARTS: tuple[str, ...] = ("logra.project", "logra.sketch", "logra.propose", "logra.merge", "logra.refresh")
+_PART_HEADS = [f"{p.removeprefix('logra.')} (%)" for p in STEP_PARTS]
 
 
 def _profiled_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[[], torch.Tensor],
@@ -461,7 +462,7 @@ def parts_table(results: list[dict[str, Any]]) -> str:
     rows = [r for r in results if r.get("step_parts")]
     if not rows:
         return ""
-    head = ["method", "profiled step (s)"] + [f"{p.removeprefix('logra.')} (%)" for p in STEP_PARTS]
+    head = ["method", "profiled step (s)", *_PART_HEADS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         parts = r["step_parts"]
@@ -605,16 +606,14 @@ def _run_point(args: argparse.Namespace, methods: list[str]) -> list[dict[str, A
 def sweep_table(sweep: list[dict[str, Any]]) -> str:
     """Markdown: per token count and LoGRA method, peak and step time against AdamW's and
     the shares of LoGRA's step (from each point's profiled step)."""
-    head = ["tokens per step", "method", "tracked peak / AdamW", "step time / AdamW"]
-    head += [f"{p.removeprefix('logra.')} (%)" for p in STEP_PARTS]
+    head = ["tokens per step", "method", "tracked peak / AdamW", "step time / AdamW", *_PART_HEADS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for point in sweep:
         base = next((r for r in point["results"] if r["method"] == _BASELINE), None)
         for r in point["results"]:
             if r["method"] == _BASELINE:
                 continue
-            ratios = ["-", "-"] if base is None else [f"{r['tracked_peak'] / base['tracked_peak']:.3f}",
-                                                       f"{r['step_time_median'] / base['step_time_median']:.3f}"]
+            ratios = timing_cells(r, base)[2:]  # peak / AdamW, time / AdamW
             lines.append("| " + " | ".join([str(point["tokens"]), r["method"], *ratios, *_shares(r.get("step_parts"))])
                          + " |")
     return "\n".join(lines)
