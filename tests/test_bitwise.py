@@ -21,7 +21,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import tiny_qwen2, token_batch  # noqa: E402
-
 from logra import KLController, LoGRAConfig, LoGRAOptimizer, apply_delta, weights_checksum  # noqa: E402
 from logra.optimizer import DenseRowAdam  # noqa: E402
 

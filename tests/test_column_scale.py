@@ -115,7 +115,7 @@ def test_momentum_transfer_keeps_the_gradient_space_moment_at_full_rank():
 
     def gradient_space(m, name):
         a = opt.projection(name).double()
-        return m.double() @ a / opt._column_scales[name].double().square()
+        return m.double() @ a / opt.projector.column_scales[name].double().square()
 
     want = {n: gradient_space(0.9 * m + 0.1 * opt.sketches()[n], n) for n, m in opt.momenta().items()}
     old = {n: opt.projection(n).clone() for n in opt.targets}

@@ -83,7 +83,9 @@ def test_controller_rules():
     assert ctl.effective_budget(0) == pytest.approx(2e-4 - 3e-5)
     ctl.observe_mismatch(1.0)
     assert ctl.effective_budget(0) == pytest.approx(1e-4)  # floored at half the budget
-    ctl.observe_mismatch(-5.0)  # negative observations are clipped at 0
+    before = ctl.mismatch
+    ctl.observe_mismatch(-5.0)  # negative observations are clipped at 0: the EMA decays towards 0
+    assert ctl.mismatch == pytest.approx(0.7 * before)
     for bad in [float("nan"), float("inf"), -1e-9]:
         with pytest.raises(KLPredictionError):
             ctl.scale(bad, 0)

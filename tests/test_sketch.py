@@ -123,7 +123,7 @@ def test_shared_projection_is_computed_and_saved_once_per_input():
             loss = model(**token_batch(model.config.vocab_size)).loss
         loss.backward()
         saved[share] = ptrs
-        caches = {id(t.shared_input): t.shared_input for t in opt._sketches.targets.values() if t.shared_input}
+        caches = {id(t.shared_input): t.shared_input for t in map(opt.sketch_target, opt.targets) if t.shared_input}
         assert len(caches) == (2 * model.config.num_hidden_layers if share else 0)
         assert all(c._p is None for c in caches.values())  # nothing outlives the forward pass
     layers = tiny_qwen2().config.num_hidden_layers

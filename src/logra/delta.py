@@ -2,9 +2,10 @@
 
 Per target it carries the factor ``U`` (``[out, r]`` in ``factor_dtype``) of
 ``ΔW = -U A`` plus the seed information that rebuilds ``A``: ``out·r`` values instead of
-``out·in`` weights. `apply_delta` is the one code path that merges an update, used by
-the trainer too, so a receiver that applies the same deltas in order holds bitwise the
-same weights.
+``out·in`` weights. Trainer and receivers share the two steps that decide the bits:
+`merge_update` (the one merge) and `logra.projection.build_projection` (the one way a
+projection is drawn), so a receiver that applies the same deltas in order with
+`apply_delta` holds bitwise the same weights.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from .config import LoGRAConfig
 from .errors import DeltaMismatchError
-from .projection import make_projection, projection_key, projection_seed, stable_name
+from .projection import build_projection, stable_name
 
 _STEP_ATTR = "_logra_policy_step"
 _SCALE_KEY = "column_scale:"  # safetensors key prefix of a column-scale vector
@@ -93,11 +94,10 @@ def check_sync(delta: PolicyDelta, config: LoGRAConfig) -> None:
 def delta_projection(delta: PolicyDelta, config: LoGRAConfig, name: str, in_features: int,
                      device: torch.device | str | None = None) -> torch.Tensor:
     """The projection that was in force for target ``name`` when ``delta`` was made
-    (rebuilt from the seed, times the delta's column scales if it carries them)."""
-    seed = projection_seed(config.seed, delta.projection_index, projection_key(name, config.share_projections))
-    a = make_projection(config.rank, in_features, seed, config.distribution, device=device)
-    scale = delta.column_scales.get(name)
-    return a if scale is None else a.mul_(scale.to(a.device))
+    (`logra.projection.build_projection`: the trainer's own builder, times the delta's
+    column scales if it carries them)."""
+    return build_projection(config, name, delta.projection_index, in_features, device,
+                            delta.column_scales.get(name))
 
 
 def merge_update(weight: torch.Tensor, u: torch.Tensor, projection: torch.Tensor, decay: float) -> None:

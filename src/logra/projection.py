@@ -1,5 +1,8 @@
 """Seeded random projections: any process rebuilds the same ``A`` without receiving it.
 
+`Projector` keeps the projections in force for an optimizer; `build_projection` rebuilds
+one on a receiver through the same drawing and unpacking, bit for bit.
+
 A projection is ``[r, in]`` with ``E[AᵀA] = I``, so ``S A = G AᵀA`` is an unbiased
 estimate of the dense gradient ``G`` from its sketch ``S = G Aᵀ``. Matrices are drawn on
 the CPU with a `torch.Generator`, which gives the same bits on every machine, and only
@@ -12,8 +15,13 @@ import functools
 import hashlib
 import math
 import re
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .config import LoGRAConfig
+    from .sketch import SketchTarget
 
 # Prefixes that wrappers (torch.compile, DDP, FSDP, activation checkpointing, PEFT) add
 # to parameter names; the seed must not depend on how a model happens to be wrapped.
@@ -134,3 +142,168 @@ def make_projection(
     else:
         raise ValueError(f"unknown projection distribution {distribution!r} (rademacher | gaussian | orthogonal)")
     return a.to(device) if device is not None else a
+
+
+# ----------------------------------------------------------------------------- the one builder
+def _stored_projection(rank: int, in_features: int, seed: int, distribution: str,
+                       device: torch.device | str | None) -> torch.Tensor:
+    """A projection as kept in memory: a Rademacher one as packed sign bits (1/32 of fp32),
+    the others as the fp32 matrix."""
+    if distribution == "rademacher":
+        return pack_signs(rademacher_signs(rank, in_features, seed)).to(device)
+    return make_projection(rank, in_features, seed, distribution, device)
+
+
+def materialize(stored: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The fp32 ``[r, in]`` matrix of a stored projection (unpacks sign bits; fp32 as is)."""
+    return unpack_projection(stored, in_features) if stored.dtype == torch.uint8 else stored
+
+
+def build_projection(config: LoGRAConfig, name: str, index: int, in_features: int,
+                     device: torch.device | str | None = None,
+                     column_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 projection of target ``name`` with projection index ``index``, times its
+    column scales if given: what the trainer merged with, bit for bit.
+
+    This and `Projector` go through the same drawing and unpacking, so every receiver
+    (`logra.apply_delta`, rollout workers, the vLLM layout) rebuilds the trainer's bits.
+    """
+    key = projection_key(name, config.share_projections)
+    seed = projection_seed(config.seed, index, key)
+    a = materialize(_stored_projection(config.rank, in_features, seed, config.distribution, device), in_features)
+    return a if column_scale is None else a * column_scale.to(a.device)
+
+
+class Projector:
+    """The projections in force for one optimizer's sketch targets, and everything tied to them.
+
+    It owns the projection index (which seeds are in force), the stored projections (packed
+    sign bits where possible), the column scales ``c`` of ``LoGRAConfig.column_scale='input'``
+    and the input statistics they come from, and the cache of ``A Aᵀ``. `install` draws
+    the projections for a given number of applied updates and, on request, returns the old
+    and new bases that state kept in sketch coordinates needs to follow them.
+
+    Attributes:
+        index: the projection index in force (None before the first `install`).
+        column_scales: per target, the ``c`` of the projection in force (``A·diag(c)``).
+    """
+
+    def __init__(self, config: LoGRAConfig, targets: dict[str, SketchTarget]) -> None:
+        self.config = config
+        self.targets = targets
+        self.index: int | None = None
+        self.column_scales: dict[str, torch.Tensor] = {}
+        # per target read by nn.Linear: a running mean of its squared inputs per channel
+        self.input_means = {n: torch.zeros_like(t.input_sq) for n, t in targets.items() if t.input_sq is not None}
+        self.input_updates = 0
+        # A Aᵀ by id of the stored projection (kept with it): formed once per projection in
+        # force where projections stay for several updates
+        self._grams: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def index_after(self, updates: int) -> int:
+        """The projection index in force after ``updates`` applied updates."""
+        return projection_index(updates, self.config.refresh, self.config.refresh_every)
+
+    def install(self, updates: int, beta2: float, scales: dict[str, torch.Tensor] | None = None,
+                bases: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """Put the projections in force after ``updates`` updates on every target.
+
+        ``scales``: the column scales of the new projections (default: from the input
+        statistics, with decay ``beta2``). Returns None if the projections in force do not
+        change; else, with ``bases``, per target ``(A_old·diag(c_old)⁻¹, A_new·diag(c_new))``
+        (a first moment's transfer needs them), without, an empty dict.
+        """
+        index = self.index_after(updates)
+        if index == self.index:
+            return None
+        cfg = self.config
+        scales = self.next_column_scales(beta2) if scales is None else scales
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        drawn: dict[str, torch.Tensor] = {}  # by projection key: shared members share the tensor
+        for name, target in self.targets.items():
+            key = projection_key(name, cfg.share_projections)
+            old = target.projection if bases else None  # rebuilt only where it is used
+            if key not in drawn:
+                seed = projection_seed(cfg.seed, index, key)
+                drawn[key] = _stored_projection(cfg.rank, target.in_features, seed, cfg.distribution,
+                                                target.weight.device)
+            stored = drawn[key]
+            if name in scales:
+                stored = materialize(stored, target.in_features) * scales[name]
+            target.projection = stored
+            if bases:
+                if name in self.column_scales:
+                    old = old / self.column_scales[name].square()
+                out[name] = (old, target.projection)
+        self.column_scales = scales
+        self.index = index
+        self._grams = {}
+        return out
+
+    def gram(self, name: str) -> torch.Tensor:
+        """``A Aᵀ`` (``[r, r]``) of target ``name``'s projection in force. Kept while the
+        projections stay (fixed, or refresh windows); with a refresh after every update
+        formed anew each time, so that no two exist at once."""
+        target = self.targets[name]
+        if self.config.refresh and self.config.refresh_every == 1:
+            a = target.projection
+            return a @ a.T
+        source = target.stored_projection
+        entry = self._grams.get(id(source))
+        if entry is None or entry[0] is not source:
+            a = target.projection
+            entry = self._grams[id(source)] = (source, a @ a.T)
+        return entry[1]
+
+    def fold_input_statistics(self, beta2: float) -> None:
+        """Fold this update's mean squared inputs into the running means (decay ``beta2``)."""
+        for name, mean in self.input_means.items():
+            target = self.targets[name]
+            count = float(target.input_count)
+            if count:
+                mean.mul_(beta2).add_(target.input_sq, alpha=(1.0 - beta2) / count)
+        self.input_updates += 1  # the sums are zeroed with the sketches
+
+    def next_column_scales(self, beta2: float) -> dict[str, torch.Tensor]:
+        """``c = (C / mean(C) + 0.1)^(-1/4)`` per target from the bias-corrected running means."""
+        if not self.input_updates:
+            return {}
+        correction = 1.0 - beta2 ** self.input_updates
+        scales = {}
+        for name, mean in self.input_means.items():
+            c = mean / correction
+            # the floor keeps silent channels from amplifying the projection's noise without bound
+            scales[name] = (c / c.mean().clamp_min(torch.finfo(torch.float32).tiny)).add_(0.1).pow_(-0.25)
+        return scales
+
+    def memory(self) -> list[torch.Tensor]:
+        """The stored projections (shared ones once), input statistics, column scales, Grams."""
+        shared = {id(t.stored_projection): t.stored_projection for t in self.targets.values()}
+        return [*shared.values(), *self.input_means.values(), *self.column_scales.values(),
+                *(gram for _, gram in self._grams.values())]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The input statistics and the column scales in force (projections are rebuilt)."""
+        return {
+            "input_means": {n: v.clone() for n, v in self.input_means.items()},
+            "input_updates": self.input_updates,
+            "column_scales": {n: v.clone() for n, v in self.column_scales.items()},
+        }
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise `ValueError` if `load_state` would refuse ``state`` (nothing is changed)."""
+        if set(state.get("input_means", {})) != set(self.input_means):
+            raise ValueError("optimizer state and this optimizer disagree on column_scale (input statistics)")
+        for name, c in state.get("column_scales", {}).items():
+            if name not in self.targets or c.shape != (self.targets[name].in_features,):
+                raise ValueError(f"optimizer state's column scale for {name} does not fit this model")
+
+    def load_state(self, state: dict[str, Any], updates: int, beta2: float) -> None:
+        """Restore `state_dict`'s entries and install the saved projections for ``updates``."""
+        for name, mean in state.get("input_means", {}).items():
+            self.input_means[name].copy_(mean)
+        self.input_updates = state.get("input_updates", 0)
+        # the saved scales, not fresh ones: they define the projection in force
+        scales = {n: c.to(self.targets[n].weight.device) for n, c in state.get("column_scales", {}).items()}
+        self.index = None
+        self.install(updates, beta2, scales=scales)

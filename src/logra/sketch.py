@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from .projection import projection_key, stable_name, unpack_projection
+from .projection import materialize, projection_key, stable_name
 
 _REGEX_CHARS = set("^$*+?[](){}|\\")
 
@@ -68,7 +68,7 @@ class SketchTarget:
     def projection(self) -> torch.Tensor | None:
         """The ``[r, in]`` fp32 projection in force (a fresh tensor when stored as bits)."""
         a = self.stored_projection
-        return a if a is None or a.dtype != torch.uint8 else unpack_projection(a, self.in_features)
+        return a if a is None else materialize(a, self.in_features)
 
     @projection.setter
     def projection(self, value: torch.Tensor | None) -> None:
@@ -336,6 +336,16 @@ class SketchSet:
     def zero_(self) -> None:
         """Zero every sketch and input statistic (one fill of the shared buffer)."""
         self.buffer.zero_()
+
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per target, its rows of a ``[Σ out, r]`` buffer laid out like the sketch buffer
+        (optimizer state kept in sketch coordinates)."""
+        out, offset = {}, 0
+        for name, target in self.targets.items():
+            rows = target.sketch.shape[0]  # fixed at install (a row-sharded weight may be swapped in)
+            out[name] = buffer[offset: offset + rows]
+            offset += rows
+        return out
 
     @contextmanager
     def probing(self, eps: torch.Tensor, directions: dict[str, torch.Tensor], decay: float) -> Iterator[None]:

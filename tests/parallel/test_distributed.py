@@ -30,6 +30,11 @@ CONFIGS = {
     "freeze": LoGRAConfig(rank=4),
     "adamw": LoGRAConfig(rank=4, non_target="adamw", non_target_lr=1e-3),
     "lr_mode": LoGRAConfig(rank=4, update_ratio=None, lr=1e-2, weight_decay=0.1, optimizer="sgd"),
+    # per-layer trust ratios need each full weight's norm: row sharding supplies them reduced over
+    # ranks (equal up to float rounding, so fp32 factors: a bf16 rounding would flip on it)
+    "layer": LoGRAConfig(rank=4, trust_ratio="layer", update_ratio=1e-3, factor_dtype="float32"),
+    "element": LoGRAConfig(rank=4, trust_ratio="element", update_ratio=1e-3, beta1=0.9, refresh_every=2,
+                           factor_dtype="float32"),
 }
 PRELOAD = ["torch", "torch.distributed", "transformers.models.qwen2.modeling_qwen2", "logra", "logra.parallel",
            "conftest", "test_distributed"]
@@ -143,7 +148,7 @@ def _rank_main(rank: int, world: int, store: str, out: str) -> None:
         for name in ("freeze", "adamw"):
             results[f"dp_{name}"] = _dp_train(rank, world, CONFIGS[name], counts)
             results[f"counts_{name}"] = dict(counts)
-        for name in ("freeze", "lr_mode"):
+        for name in ("freeze", "lr_mode", "layer", "element"):
             results[f"fsdp_{name}"] = _fsdp_train(rank, world, name, out)
         results["mismatch_seed"] = _mismatch(rank, "seed")
         results["mismatch_layer"] = _mismatch(rank, "layer")
@@ -195,7 +200,7 @@ def test_one_collective_per_update(ranks, mode):
     assert [counts[f"collectives_{s}"] for s in range(UPDATES)] == [1 if mode == "freeze" else 2] * UPDATES
 
 
-@pytest.mark.parametrize("mode", ["freeze", "lr_mode"])
+@pytest.mark.parametrize("mode", ["freeze", "lr_mode", "layer", "element"])
 def test_row_sharded_fsdp2_matches_single_process(ranks, mode):
     ref = _reference(CONFIGS[mode])
     for r in ranks:

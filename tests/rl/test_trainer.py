@@ -87,7 +87,9 @@ def test_updates_change_policy_under_kl_control(tmp_path, optimizer):
         assert 0 < r["alpha"] <= 3.0
         # the step was sized to the budget and the realised KL matches the prediction
         assert r["realized_kl"] == pytest.approx(r["expected_kl"], rel=0.25)
-        assert r["expected_kl"] <= r["effective_budget"] * (1 + 1e-6)
+    for i, r in enumerate(records):  # each step sized to its own update's budget, not another's
+        assert r["budget"] == pytest.approx(trainer.controller.budget_at(i), rel=1e-12)
+        assert r["expected_kl"] == pytest.approx(min(r["effective_budget"], 9 * r["predicted_kl"]), rel=1e-9)
     after = dict(trainer.model.named_parameters())
     if optimizer == "logra":
         changed = {n for n in names if not torch.equal(before[n], after[n])}

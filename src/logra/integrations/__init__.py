@@ -23,8 +23,9 @@ from torch import nn
 from ..config import LoGRAConfig
 from ..delta import PolicyDelta
 from ..errors import LoGRAError
-from ..kl import KLControlConfig, KLController, controlled_update
+from ..kl import KLControlConfig, KLController
 from ..optimizer import LoGRAOptimizer
+from ..updater import LoGRAUpdater, controlled_step
 
 if TYPE_CHECKING:
     from .trl import LoGRAGRPOTrainer
@@ -149,12 +150,11 @@ class KLControlledLoGRA(LoGRAOptimizer):
             raise LoGRAError(
                 "KL control needs a probe batch: call set_probe(input_ids, attention_mask, response_mask) "
                 "after the backward pass and before step(), or build the optimizer with controller=None")
-        self.last_delta, control = controlled_update(
-            self.model, proposal, lambda alpha: self.apply(proposal, alpha), self.controller, self.num_updates,
-            probe, temperature=self.temperature, max_tokens=self.probe_max_tokens, chunk=self.probe_chunk,
+        self.last_delta, record = controlled_step(
+            LoGRAUpdater(self), self.model, self.controller, self.num_updates, probe, proposal=proposal,
+            temperature=self.temperature, max_tokens=self.probe_max_tokens, chunk=self.probe_chunk,
             measure_realized=self.measure_realized_kl, reduce=self.reduce)
-        stats = {"sketch_norm": proposal.sketch_norm, "update_norm": proposal.update_norm}
-        stats.update({k: v for k, v in control.items() if k in STAT_KEYS})
+        stats = {k: v for k, v in record.items() if k in STAT_KEYS}
         self.last_stats = stats
         for fn in self._step_callbacks:
             fn(stats)

@@ -34,9 +34,10 @@ class RowShardedLoGRA:
       post-hook back at the shard). The full ``H`` reaches the backward, so every rank
       holds the full ``[Σ out, r]`` sketch of its data; `allreduce_sketches` sums them.
     - propose: identical on every rank (same summed sketch, same projections). With the
-      update-ratio step size, the norm of all target weights is the sum of the ranks'
-      local shards (all-gathered and summed in rank order, so every rank gets the same
-      bits); the core's own norm would see only this rank's shard.
+      update-ratio step size (every trust ratio), each target's weight norm comes from
+      the ranks' local shards (all-gathered and summed in rank order, so every rank gets
+      the same bits) and is handed to `LoGRAOptimizer.propose`; the core's own norms
+      would see only this rank's shard.
     - apply: each rank merges ``W_local -= U[rows] A`` into its own rows; the returned
       `PolicyDelta` holds the full factors ``U`` (identical on every rank), ready to
       publish to rollout workers.
@@ -47,9 +48,6 @@ class RowShardedLoGRA:
     """
 
     def __init__(self, optimizer: LoGRAOptimizer, group: dist.ProcessGroup | None = None) -> None:
-        if optimizer.config.trust_ratio != "global":
-            raise ValueError("RowShardedLoGRA sizes steps with the global update ratio; "
-                             "trust_ratio='layer' is not supported with row sharding")
         from torch.distributed.tensor import DTensor, Shard
 
         if optimizer.config.non_target != "freeze":
@@ -94,37 +92,23 @@ class RowShardedLoGRA:
         """The rows of target ``name`` that this rank holds."""
         return self._rows[name]
 
-    def _global_weight_norm(self) -> float:
+    def _weight_norms(self) -> torch.Tensor:
+        """``‖W_l‖_F`` of every full target weight, from the ranks' local shards."""
         local = torch.stack([self._sharded[n].to_local().float().square().sum() for n in self._targets])
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(gathered, local, group=self.group)
         per_target = gathered[0].clone()
         for g in gathered[1:]:  # rank order: every rank adds the same numbers in the same order
             per_target += g
-        # Equal to the core's single-process norm up to float rounding (the squares of one
+        # Equal to the core's single-process norms up to float rounding (the squares of one
         # target are summed shard by shard here); the tests check it to rtol 1e-5.
-        return float(torch.linalg.vector_norm(per_target.sqrt()))
+        return per_target.sqrt()
 
     @torch.no_grad()
     def propose(self) -> Proposal:
-        """The optimizer's proposal, with the step size from the global weight norm."""
+        """The optimizer's proposal, its step size from the full weights' norms (any trust ratio)."""
         opt = self.optimizer
-        group = opt.param_groups[0]
-        ratio = group["update_ratio"]
-        if ratio is None:
-            return opt.propose()
-        saved = {k: group[k] for k in ("update_ratio", "lr", "weight_decay")}
-        group.update(update_ratio=None, lr=1.0, weight_decay=0.0)
-        try:
-            proposal = opt.propose()  # unit step: directions D, update_norm = ‖D A‖
-        finally:
-            group.update(saved)
-        norm = self._global_weight_norm()
-        scale = ratio * norm / proposal.update_norm if proposal.update_norm > 0 else 0.0
-        for d in proposal.directions.values():
-            d.mul_(scale)
-        proposal.update_norm = scale * proposal.update_norm
-        return proposal
+        return opt.propose(self._weight_norms() if opt.param_groups[0]["update_ratio"] is not None else None)
 
     @torch.no_grad()
     def apply(self, proposal: Proposal, alpha: float = 1.0) -> PolicyDelta:

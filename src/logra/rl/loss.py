@@ -42,3 +42,12 @@ def policy_loss(
     return (per_token * mask).sum(), stats
 
 
+
+
+def mismatch_kl_sum(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Σ over sampled tokens of the k3 estimate of KL(rollout ‖ trainer), ``e^x - x - 1`` with
+    ``x = log π_trainer - log π_rollout``: unbiased, never negative. Divided by the token
+    count it is the rollout/trainer mismatch the KL controller subtracts from its budget."""
+    with torch.no_grad():
+        log_r = (trainer_logp.detach() - rollout_logp) * mask
+        return float(((torch.exp(log_r) - log_r - 1) * mask).sum())

@@ -7,10 +7,10 @@ One update (`RLTrainer.train_step`):
 2. reward: grade them with the task (`logra.tasks`);
 3. loss: GRPO or REINFORCE per token (`loss.py`), backward micro-batch by micro-batch —
    LoGRA's backward fills gradient sketches instead of dense gradients;
-4. proposal: the optimizer's step, not yet applied (`LoGRAOptimizer.propose`, or the
-   displacement of a dense optimizer's step, `DenseProposal`);
-5. KL scale and apply: `logra.kl.controlled_update` predicts the step's KL, scales it to
-   the budget and applies it; LoGRA returns the `PolicyDelta` rollout engines receive.
+4. reduce: one all-reduce of the gradients over data-parallel ranks (`Updater.reduce`);
+5. proposal, KL scale, apply: `logra.updater.controlled_step` proposes the step (LoGRA's
+   sketched step, or the displacement of a dense optimizer's), predicts its KL, scales it
+   to the budget and applies it; LoGRA returns the `PolicyDelta` rollout engines receive.
 
 Building the policy and optimizer (`build.py`), evaluation and the summary
 (`evaluation.py`), checkpoints (`checkpoint.py`), data-parallel reductions
@@ -34,16 +34,15 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..delta import weights_checksum
-from ..kl import DenseProposal, controlled_update
-from ..optimizer import LoGRAOptimizer
 from ..parallel import global_token_count, init_from_env, verify_projections
 from ..tasks import Problem, Task, is_correct
+from ..updater import LoGRAUpdater, controlled_step, make_updater
 from .build import build_optimizer, load_policy
 from .checkpoint import load_checkpoint, save_checkpoint
-from .collective import allreduce_gradients, sum_over_ranks
+from .collective import sum_over_ranks
 from .config import RLConfig, build_task
 from .evaluation import distinct_problems, evaluate, format_summary, summarize
-from .loss import advantages, policy_loss
+from .loss import advantages, mismatch_kl_sum, policy_loss
 from .metrics import MetricsLog, memory_stats
 from .rollout import Rollout, generate_rollouts, layout_rollouts, token_logprobs
 
@@ -92,7 +91,8 @@ class RLTrainer:
         # the reference is the initial policy itself: copied before sketches or adapters are installed
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if config.ref_kl_coef > 0 else None
         self.model, self.optimizer, self.scheduler = build_optimizer(config, model)
-        if self.world > 1 and isinstance(self.optimizer, LoGRAOptimizer):
+        self.updater = make_updater(self.model, self.optimizer)
+        if self.world > 1 and isinstance(self.updater, LoGRAUpdater):
             verify_projections(self.optimizer)
         torch.manual_seed(config.seed * 1_000 + self.rank)  # each rank samples its own responses
         self.workers = None
@@ -184,11 +184,9 @@ class RLTrainer:
             (loss / n_tokens).backward()
             loss_sum += float(loss.detach())
             clip_sum += stats["clip_frac_sum"]
-            with torch.no_grad():  # k3 estimate of KL(rollout ‖ trainer) on the sampled tokens
-                log_r = (logp.detach() - mb.logprobs) * mb.response_mask
-                mismatch_sum += float(((torch.exp(log_r) - log_r - 1) * mb.response_mask).sum())
+            mismatch_sum += mismatch_kl_sum(logp, mb.logprobs, mb.response_mask)
         if self.world > 1:
-            allreduce_gradients(self.optimizer)
+            self.updater.reduce()
         loss_sum, clip_sum, mismatch_sum, truncated = self._sum(
             [loss_sum, clip_sum, mismatch_sum, float(rollout.truncated.float().sum())])
         mismatch = mismatch_sum / n_tokens
@@ -199,6 +197,7 @@ class RLTrainer:
 
         # proposal → KL scale → apply → delta
         record = self._controlled_update(rollout)
+        self.updater.zero_grad()
         t_apply = time.perf_counter()
         record.update({
             "kind": "train", "update": self.num_updates, "reward": reward_sum / n_all, "pass_rate": correct / n_all,
@@ -215,35 +214,20 @@ class RLTrainer:
         return record
 
     def _controlled_update(self, rollout: Rollout) -> dict[str, Any]:
-        """Propose, size by predicted KL, apply, publish; the update's statistics."""
+        """Propose, size by predicted KL, apply (`logra.updater.controlled_step`), publish."""
         cfg = self.config
-        if isinstance(self.optimizer, LoGRAOptimizer):
-            proposal = self.optimizer.propose()
-            record = {"sketch_norm": proposal.sketch_norm, "update_norm": proposal.update_norm}
-
-            def apply(alpha: float) -> dict[str, Any]:
-                delta = self.optimizer.apply(proposal, alpha)
-                sent = self.workers.publish(delta) if self.workers is not None else {}
-                return {"delta_bytes": delta.nbytes, **sent}
-        else:
-            proposal = DenseProposal.from_optimizer(self.model, self.optimizer)
-            record = {"update_norm": proposal.norm()}
-
-            def apply(alpha: float) -> dict[str, Any]:
-                proposal.apply(alpha)
-                return {"delta_bytes": sum(p.numel() * 2 for p in self.model.parameters() if p.requires_grad)}
-
         probe = rollout.select(slice(0, min(cfg.kl.probe_responses, len(rollout))))
-        sent, stats = controlled_update(
-            self.model, proposal, apply, self.controller if cfg.kl.enabled else None, self.num_updates,
+        delta, record = controlled_step(
+            self.updater, self.model, self.controller if cfg.kl.enabled else None, self.num_updates,
             (probe.input_ids, probe.attention_mask, probe.response_mask), temperature=cfg.temperature,
             max_tokens=cfg.kl.probe_max_tokens, reduce=self._sum)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.workers is not None:
+            record.update(self.workers.publish(delta))
         if not cfg.kl.enabled:  # the same keys as a controlled run: the schedule it would follow
-            stats.update(predicted_kl=float("nan"), expected_kl=float("nan"),
-                         budget=self.controller.budget_at(self.num_updates),
-                         effective_budget=self.controller.effective_budget(self.num_updates))
-        return {**record, **sent, **stats}
+            record.update(predicted_kl=float("nan"), expected_kl=float("nan"),
+                          budget=self.controller.budget_at(self.num_updates),
+                          effective_budget=self.controller.effective_budget(self.num_updates))
+        return record
 
     def add_gradient_hook(self, fn: Callable[[RLTrainer], None]) -> None:
         """Call ``fn(trainer)`` after each update's backward passes, before its proposal.
