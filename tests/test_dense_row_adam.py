@@ -80,4 +80,4 @@ def test_dense_row_adam_refuses_settings_it_does_not_implement():
     with pytest.raises(ValueError, match="row_adam"):
         DenseRowAdam(tiny_qwen2(), LoGRAConfig(rank=4, optimizer="adam"))
     with pytest.raises(ValueError, match="float32"):
-        DenseRowAdam(tiny_qwen2(), LoGRAConfig(rank=4, moment_dtype="bfloat16"))
+        DenseRowAdam(tiny_qwen2(), LoGRAConfig(rank=4, moment_dtype="bfloat16", beta1=0.9))

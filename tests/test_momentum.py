@@ -111,7 +111,8 @@ def test_direction_matches_float64_reference(transfer, extra):
 def test_bfloat16_moments_follow_the_reference_one_update_at_a_time(trust_ratio):
     """``moment_dtype='bfloat16'``: from the stored bf16 state, each update's direction is the
     float64 formula's (to fp32 rounding) and the new state is its value rounded to bf16."""
-    cfg = _momentum_config(optimizer="adam", refresh=False, trust_ratio=trust_ratio, moment_dtype="bfloat16")
+    cfg = _momentum_config(optimizer="adam", refresh=False, refresh_every=1, trust_ratio=trust_ratio,
+                           moment_dtype="bfloat16")
     model = tiny_qwen2()
     opt = LoGRAOptimizer(model, cfg)
     names, f64 = opt.targets, torch.float64

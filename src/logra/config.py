@@ -136,7 +136,7 @@ class LoGRAConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"LoGRAConfig.{name}={value!r} is not one of {allowed}")
-        if not isinstance(self.rank, int) or self.rank <= 0:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
             raise ValueError(f"LoGRAConfig.rank must be a positive int, got {self.rank!r}")
         if self.refresh_every < 1:
             raise ValueError(f"LoGRAConfig.refresh_every must be >= 1, got {self.refresh_every}")
@@ -152,9 +152,30 @@ class LoGRAConfig:
             raise ValueError(f"LoGRAConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
         if not self.target_modules:
             raise ValueError("LoGRAConfig.target_modules is empty")
+        self._refuse_options_that_do_nothing()
         if self.column_scale != "none" and not self.refresh:
             raise ValueError("LoGRAConfig.column_scale='input' sets the scales at projection refreshes: "
                              "it needs refresh=True")
+
+    def _refuse_options_that_do_nothing(self) -> None:
+        """An option set away from its default must change something: a combination in which
+        it would be silently ignored is refused, naming the option and what it needs."""
+        needs = [
+            (self.second_moment != "sketch", self.beta1 > 0 and self.optimizer == "row_adam",
+             f"second_moment={self.second_moment!r} needs optimizer='row_adam' and beta1 > 0"),
+            (self.moment_dtype != "float32", self.beta1 > 0 or self.optimizer == "adam",
+             f"moment_dtype={self.moment_dtype!r} needs a moment to store (beta1 > 0 or optimizer='adam')"),
+            (self.momentum_refresh != "transfer", self.beta1 > 0,
+             f"momentum_refresh={self.momentum_refresh!r} needs beta1 > 0"),
+            (self.weight_decay > 0, self.update_ratio is None,
+             "weight_decay applies in lr mode only: set update_ratio=None (the update ratio sizes steps without it)"),
+            (self.trust_ratio != "global", self.update_ratio is not None,
+             f"trust_ratio={self.trust_ratio!r} needs update_ratio (lr mode has no trust ratio)"),
+            (self.refresh_every != 1, self.refresh, f"refresh_every={self.refresh_every} needs refresh=True"),
+        ]
+        for is_set, meaningful, message in needs:
+            if is_set and not meaningful:
+                raise ValueError(f"LoGRAConfig: {message}")
 
     @property
     def torch_factor_dtype(self) -> torch.dtype:

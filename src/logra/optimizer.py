@@ -427,6 +427,9 @@ class DenseRowAdam(torch.optim.Optimizer):
             raise ValueError("DenseRowAdam is RowAdam with fp32 state: it needs LoGRAConfig.optimizer='row_adam' and "
                              f"moment_dtype='float32' (got {config.optimizer!r}, {config.moment_dtype!r}; in logra "
                              "train: --logra.optimizer row_adam)")
+        if config.max_grad_norm is not None or config.second_moment != "sketch":
+            raise ValueError("DenseRowAdam implements neither max_grad_norm nor second_moment='momentum' "
+                             "(its second moment comes from the gradient, as Adam's): unset them")
         self.config = config
         groups = find_targets(model, config.target_modules, config.non_target == "sketch")
         targets = []
