@@ -219,3 +219,18 @@ def test_rank_that_saves_no_memory_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=8))
+
+
+def test_a_refused_state_changes_nothing():
+    """`load_state_dict` checks everything before it changes anything (issue 20, item 6)."""
+    trained, fresh = tiny_qwen2(), tiny_qwen2()
+    opt = LoGRAOptimizer(trained, LoGRAConfig(rank=4, non_target="adamw"))
+    train_steps(trained, opt, 2)
+    other = LoGRAOptimizer(fresh, LoGRAConfig(rank=4, non_target="adamw", column_scale="input", beta2=0.9))
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match="column_scale"):
+        other.load_state_dict(opt.state_dict())
+    after = other.state_dict()
+    assert other.num_updates == 0 and after["hyper"] == before["hyper"] and after["non_target"]["state"] == {}
+    assert torch.equal(torch.cat(list(after["second_moments"].values())),
+                       torch.cat(list(before["second_moments"].values())))
