@@ -155,6 +155,11 @@ class RLTrainer:
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        # The update's gradients are this update's alone: a policy handed over with stale
+        # `.grad` (a supervised warm start, a notebook's own backward) must not be stepped on
+        # them. A no-op after the first update (each update ends by zeroing).
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
 
         # rollout and reward
         problems, rollout = self._rollout(self._train_problems(self.num_updates))
