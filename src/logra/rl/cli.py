@@ -118,8 +118,16 @@ def load_config_file(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise SystemExit(f"logra train: config file {path} does not exist")
-    text = p.read_text()
-    tree = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    if not p.is_file():
+        raise SystemExit(f"logra train: config file {path} is a folder, not a YAML or TOML file")
+    try:
+        text = p.read_text()
+        tree = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        where = getattr(e, "problem_mark", None)  # YAML: line and column of the problem
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        detail = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise SystemExit(f"logra train: config file {path} cannot be read{at}: {detail}") from None
     if not isinstance(tree, dict):
         raise SystemExit(f"logra train: {path} must hold a mapping of options")
     return _flatten(tree)
