@@ -45,8 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "bench":
+        if rest[:1] in (["-h"], ["--help"]):  # asked for: the list of benchmarks, success
+            print(_usage())
+            return 0
         if not rest or rest[0] not in _BENCHMARKS:
-            print(_usage(), file=sys.stderr)
+            problem = f"unknown benchmark {rest[0]!r}" if rest else "which benchmark?"
+            print(f"logra bench: {problem}\n\n{_usage()}", file=sys.stderr)
             return 2
         module = f"logra.bench.{rest[0]}"
         rest = rest[1:]

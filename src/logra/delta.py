@@ -71,16 +71,31 @@ class PolicyDelta:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PolicyDelta:
-        """Inverse of `to_bytes`."""
-        header_len = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8: 8 + header_len]).get("__metadata__", {})
-        if "logra" not in meta:
-            raise DeltaMismatchError("these bytes are not a serialised PolicyDelta")
-        header = json.loads(meta["logra"])
-        tensors = _st_load(data)
-        factors = {k: v for k, v in tensors.items() if not k.startswith(_SCALE_KEY)}
-        scales = {k[len(_SCALE_KEY):]: v for k, v in tensors.items() if k.startswith(_SCALE_KEY)}
-        return cls(factors=factors, column_scales=scales, **header)
+        """Inverse of `to_bytes`.
+
+        Raises:
+            DeltaMismatchError: ``data`` is not a whole serialised `PolicyDelta` (garbage,
+                truncated, or another safetensors file), in one line.
+        """
+        from safetensors import SafetensorError
+
+        # Bytes come from a link or a file: anything malformed is one refusal, never a parser traceback.
+        try:
+            header_len = int.from_bytes(data[:8], "little")
+            if len(data) < 8 or header_len > len(data) - 8:
+                raise ValueError(f"{len(data)} bytes cannot hold the {header_len:,}-byte header they announce")
+            meta = json.loads(data[8: 8 + header_len]).get("__metadata__") or {}
+            if "logra" not in meta:
+                raise ValueError("a safetensors file without the PolicyDelta header")
+            header = json.loads(meta["logra"])
+            tensors = _st_load(data)
+            factors = {k: v for k, v in tensors.items() if not k.startswith(_SCALE_KEY)}
+            scales = {k[len(_SCALE_KEY):]: v for k, v in tensors.items() if k.startswith(_SCALE_KEY)}
+            return cls(factors=factors, column_scales=scales, **header)
+        except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, SafetensorError) as e:
+            detail = " ".join(str(e).split())[:200]
+            raise DeltaMismatchError(f"these {len(data):,} bytes are not a serialised PolicyDelta: "
+                                     f"{type(e).__name__}: {detail}") from None
 
 
 def check_sync(delta: PolicyDelta, config: LoGRAConfig) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class LoGRAError(Exception):
     """Base class of every logra error."""
@@ -21,6 +23,19 @@ class DeltaMismatchError(LoGRAError):
 
 class KLPredictionError(LoGRAError):
     """The predicted KL is non-finite or negative, or there is nothing to probe."""
+
+
+class CheckpointError(LoGRAError):
+    """A run's checkpoint is missing, or one of its files is missing, truncated, changed since
+    it was written or does not fit the model; nothing was loaded.
+
+    Attributes:
+        path: the file (or folder) at fault.
+    """
+
+    def __init__(self, path: str | Path, problem: str) -> None:
+        self.path = Path(path)
+        super().__init__(f"checkpoint: {path} {problem}; nothing was loaded")
 
 
 class MissingExtraError(LoGRAError, ImportError):

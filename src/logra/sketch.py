@@ -10,10 +10,17 @@ clipping and all-reduce are single operations.
 Embeddings (``non_target='sketch'``) work the same way: their gradient is a scatter of
 ``H`` rows, so their sketch is a scatter-add of ``H Aᵀ`` rows. Tied input/output
 embeddings are one target with one projection and one sketch.
+
+Which weights are targets (`find_targets`): the ``nn.Linear`` layers (subclasses included)
+whose names match ``target_modules``; the entry `DECODER_LINEAR` selects every one inside
+the model's decoder blocks, fused (``qkv_proj``, ``query_key_value``) or not. `SketchSet`
+logs once what it sketches and which 2-D weights it leaves to ``non_target``
+(`describe_targets`).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import types
 import warnings
@@ -30,6 +37,14 @@ from torch.profiler import record_function
 from .projection import materialize, projection_key, stable_name
 
 _REGEX_CHARS = set("^$*+?[](){}|\\")
+
+#: The ``target_modules`` entry selecting every 2-D ``nn.Linear`` weight (subclasses
+#: included, fused or not) inside the model's decoder blocks (`decoder_blocks`). On Llama /
+#: Qwen / Mistral models it selects exactly ``q/k/v/o_proj, gate/up/down_proj``, in the
+#: same order. A hyphen cannot occur in a module name, so it never matches one by name.
+DECODER_LINEAR = "decoder-linear"
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -208,17 +223,61 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return False
 
 
+def decoder_blocks(model: nn.Module) -> list[str]:
+    """Module names of the model's decoder blocks, in order.
+
+    A block is an item of an outermost ``nn.ModuleList`` whose items all hold submodules:
+    ``model.layers.<i>`` (Llama, Qwen2, Phi-3), ``model.decoder.layers.<i>`` (OPT),
+    ``transformer.h.<i>`` (Falcon, GPT-2). Lists of leaf layers (per-layer projections kept
+    outside the blocks) and lists nested inside a block (experts) are not blocks.
+    """
+    lists: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(outer + ".") for outer in lists):
+            continue
+        if isinstance(module, nn.ModuleList) and len(module) and all(
+                next(item.children(), None) is not None for item in module):
+            lists.append(name)
+    return [f"{name}.{i}" if name else str(i) for name in lists for i in range(len(model.get_submodule(name)))]
+
+
+def _check_linear(module_name: str, module: nn.Linear) -> None:
+    """Refuse an ``nn.Linear`` (subclass) whose weight is not a floating-point ``[out, in]`` matrix
+    (packed quantized weights): its sketch and update would be meaningless."""
+    w = module.weight
+    if not (w.is_floating_point() and tuple(w.shape) == (module.out_features, module.in_features)):
+        raise ValueError(
+            f"target {module_name!r} is a {type(module).__name__} whose weight is {w.dtype} {list(w.shape)}, not a "
+            f"floating-point [out_features={module.out_features}, in_features={module.in_features}] matrix "
+            "(a quantized layer?); LoGRA sketches full-precision weights. Leave it out of target_modules.")
+
+
 def find_targets(
     model: nn.Module, patterns: tuple[str, ...], embeddings: bool = False
 ) -> dict[str, list[tuple[str, nn.Module]]]:
     """Map each target weight's stable name to the ``(module name, module)`` pairs using it.
 
+    Targets are ``nn.Linear`` layers (subclasses included: Falcon's ``FalconLinear``) whose
+    stable name matches one of ``patterns`` (a suffix, a regular expression, or
+    `DECODER_LINEAR` for every one inside `decoder_blocks`), in ``model.named_modules()``
+    order, then the embeddings if ``embeddings``.
+
     Raises:
-        ValueError: nothing matches (the message lists the model's layer names), or a
-            matched module is not an ``nn.Linear`` (e.g. GPT-2's ``Conv1D``).
+        ValueError: nothing matches (the message lists the model's ``nn.Linear`` layer
+            names), `DECODER_LINEAR` finds no decoder blocks, a matched module is not an
+            ``nn.Linear`` (e.g. GPT-2's ``Conv1D``) or its weight is not a floating-point
+            ``[out, in]`` matrix.
     """
     found: dict[int, tuple[str, list[tuple[str, nn.Module]]]] = {}
     param_names = {id(p): stable_name(n) for n, p in model.named_parameters(remove_duplicate=True)}
+    by_name = tuple(p for p in patterns if p != DECODER_LINEAR)
+    blocks: tuple[str, ...] = ()
+    if DECODER_LINEAR in patterns:
+        blocks = tuple(decoder_blocks(model))
+        if not blocks:
+            raise ValueError(
+                f"target_modules entry {DECODER_LINEAR!r}: {type(model).__name__} has no decoder blocks (an "
+                "nn.ModuleList of layers); name the layers to sketch in target_modules instead")
 
     def add(module_name: str, module: nn.Module) -> None:
         key = id(module.weight)
@@ -228,21 +287,27 @@ def find_targets(
 
     for module_name, module in model.named_modules():
         name = stable_name(module_name)
-        if not name or not _matches(name, patterns):
+        if not name:
             continue
-        if type(module) is not nn.Linear:
+        in_block = isinstance(module, nn.Linear) and any(
+            module_name == b or module_name.startswith(b + ".") for b in blocks)
+        if not in_block and not _matches(name, by_name):
+            continue
+        if not isinstance(module, nn.Linear):
             raise ValueError(
                 f"target {module_name!r} is a {type(module).__name__}, not an nn.Linear; LoGRA "
                 "sketches nn.Linear weights (and embeddings with non_target='sketch'). Narrow "
                 "target_modules, or convert the layer (GPT-2's Conv1D stores Wᵀ) to nn.Linear."
             )
+        _check_linear(module_name, module)
         add(module_name, module)
     if not found:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        others = sorted({type(m).__name__ for m in model.modules() if len(list(m.children())) == 0} - {"Linear"})
+        others = sorted({type(m).__name__ for m in model.modules()
+                         if len(list(m.children())) == 0 and not isinstance(m, nn.Linear)})
         raise ValueError(
-            f"no module matches target_modules={patterns}. nn.Linear layers in this model end in: "
-            f"{linear or 'none'}; other leaf module types: {others}"
+            f"no module matches target_modules={patterns}. nn.Linear layers (subclasses included) in this model "
+            f"end in: {linear or 'none'}; other leaf module types: {others}"
         )
     if embeddings:
         for getter in ("get_input_embeddings", "get_output_embeddings"):
@@ -258,6 +323,74 @@ def find_targets(
     return {name: modules for name, modules in found.values()}
 
 
+def target_module_names(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
+    """The full names of the modules `find_targets` selects, in order: what peft's
+    ``LoraConfig(target_modules=...)`` needs to adapt exactly LoGRA's layers (peft reads list
+    entries as name suffixes and knows neither regular expressions nor `DECODER_LINEAR`)."""
+    return [name for modules in find_targets(model, patterns).values() for name, _ in modules]
+
+
+_NON_TARGET_FATE = {"freeze": "frozen", "adamw": "trained by AdamW", "sketch": "trained by AdamW"}
+
+
+def describe_targets(model: nn.Module, targets: list[str] | dict[str, object], non_target: str | None = None) -> str:
+    """One line: the weights sketched and the 2-D weights left to ``non_target``.
+
+    Layer indices are folded (``model.layers.*.mlp.down_proj.weight ×28``), so the line
+    stays short for deep models; parameters that are not 2-D (norms, biases) are counted.
+    """
+    chosen = set(targets)
+    fold = re.compile(r"(?<=\.)\d+(?=\.)")
+
+    def folded(names: list[str]) -> str:
+        counts: dict[str, int] = {}
+        for n in names:
+            key = fold.sub("*", n)
+            counts[key] = counts.get(key, 0) + 1
+        return ", ".join(k if c == 1 else f"{k} ×{c}" for k, c in counts.items()) or "none"
+
+    params = [(stable_name(n), p) for n, p in model.named_parameters()]
+    rest_2d = [n for n, p in params if n not in chosen and p.dim() == 2]
+    other = sum(1 for n, p in params if n not in chosen and p.dim() != 2)
+    mode = f"non_target={non_target!r} ({_NON_TARGET_FATE[non_target]})" if non_target else "non_target"
+    return (f"LoGRA sketches {len(chosen)} weights of {type(model).__name__}: {folded(list(targets))}; left to "
+            f"{mode}: {len(rest_2d)} other 2-D weights ({folded(rest_2d)}) and {other} parameters that are not 2-D "
+            "(norms, biases)")
+
+
+def check_materialized(model: nn.Module) -> None:
+    """Refuse a model whose parameters or buffers are on the ``meta`` device (shapes, no values).
+
+    Raises:
+        ValueError: naming the first such tensor.
+    """
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ValueError(
+                    f"{kind} {stable_name(name)} is on the meta device (a shape without values): load or "
+                    "materialize the weights (e.g. model.to_empty(device=...) then load_state_dict) before "
+                    "building the LoGRA optimizer")
+
+
+def _check_forward(module_name: str, module: nn.Linear) -> None:
+    """A subclass of ``nn.Linear`` that overrides ``forward`` must still compute ``x Wᵀ + b``:
+    the sketch replaces its forward with exactly that, so anything else would change the model."""
+    w = module.weight
+    if type(module).forward is nn.Linear.forward or w.is_meta or type(w) not in (torch.Tensor, nn.Parameter):
+        return  # plain forward; or no local values to run it on (sharded DTensor)
+    with torch.no_grad():  # a fixed input, no RNG draw: the run's random stream is untouched
+        x = torch.linspace(-1, 1, 2 * w.shape[1], device=w.device).reshape(2, -1).to(w.dtype)
+        theirs, ours = module.forward(x), F.linear(x, w, module.bias)
+    low = w.dtype in (torch.bfloat16, torch.float16)
+    scale = float(ours.abs().max().float()) + 1e-12
+    if theirs.shape != ours.shape or not torch.allclose(theirs.float(), ours.float(), rtol=1e-2 if low else 1e-4,
+                                                        atol=(1e-2 if low else 1e-5) * scale):
+        raise ValueError(
+            f"target {module_name!r} is a {type(module).__name__} whose forward is not x Wᵀ + b; sketching it would "
+            "replace that forward and change the model. Leave it out of target_modules.")
+
+
 class SketchSet:
     """The sketched targets of one model and their shared fp32 sketch buffer.
 
@@ -266,11 +399,21 @@ class SketchSet:
     ``input_statistics``, every target read by an ``nn.Linear`` also sums the squares of
     its inputs per channel and counts its tokens, in trailing rows of the same buffer, so
     one all-reduce of `buffer` still carries everything a data-parallel update needs.
+
+    Construction refuses, before changing anything, a model on the ``meta`` device
+    (`check_materialized`) and an ``nn.Linear`` subclass whose forward is not ``x Wᵀ + b``;
+    it then logs `describe` once (logger ``logra.sketch``, level INFO). ``non_target`` (the
+    ``LoGRAConfig`` option) only words that line.
     """
 
     def __init__(self, model: nn.Module, patterns: tuple[str, ...], rank: int, embeddings: bool = False,
-                 input_statistics: bool = False, share_inputs: bool = False) -> None:
+                 input_statistics: bool = False, share_inputs: bool = False, non_target: str | None = None) -> None:
+        check_materialized(model)
         groups = find_targets(model, patterns, embeddings)
+        for modules in groups.values():
+            for module_name, module in modules:
+                if isinstance(module, nn.Linear):
+                    _check_forward(module_name, module)
         weights = {name: modules[0][1].weight for name, modules in groups.items()}
         devices = {w.device for w in weights.values()}
         if len(devices) != 1:
@@ -324,6 +467,12 @@ class SketchSet:
             cache = _SharedInput(len(members))
             for t in members:
                 t.shared_input = cache
+        self._description = describe_targets(model, list(self.targets), non_target)
+        LOG.info(self._description)
+
+    def describe(self) -> str:
+        """What is sketched and which 2-D weights are left to ``non_target`` (logged at construction)."""
+        return self._description
 
     def remove(self) -> None:
         """Restore the original forwards and make the weights trainable again."""

@@ -48,6 +48,7 @@ from logra.bench import memory
 from logra.bench.common import FULL_SHAPE, QUICK_SHAPE, size_unit, spawn_worker
 from logra.errors import WorkerError
 from logra.memory import CATEGORIES, GIB
+from logra.sketch import find_targets, target_module_names
 
 #: Methods in table order; the first is the baseline the ratios refer to.
 METHODS: tuple[str, ...] = ("adamw", "adamw8bit", "logra-freeze", "logra-sketch", "lora", "galore", "apollo")
@@ -208,10 +209,8 @@ class _ProjectorState:
 
 
 def _split_targets(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(weights of the 7 target projections, every other parameter)."""
-    targets = LoGRAConfig().target_modules
-    low = [m.weight for name, m in model.named_modules()
-           if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+    """(weights of LoGRA's default targets, every other parameter)."""
+    low = [modules[0][1].weight for modules in find_targets(model, LoGRAConfig().target_modules).values()]
     ids = {id(p) for p in low}
     return low, [p for p in model.parameters() if id(p) not in ids]
 
@@ -228,7 +227,7 @@ def _setup(method: str, model: nn.Module, args: argparse.Namespace) -> tuple[nn.
         from peft import LoraConfig, get_peft_model
 
         cfg = LoraConfig(r=args.rank, lora_alpha=args.rank, lora_dropout=0.0,
-                         target_modules=list(LoGRAConfig().target_modules))
+                         target_modules=target_module_names(model, LoGRAConfig().target_modules))
         model = get_peft_model(model, cfg)
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **_ADAM_KW)
     low, rest = _split_targets(model)

@@ -136,7 +136,9 @@ def compare_with_tracker(
     elif m == "lora":
         import peft
 
-        lora = peft.LoraConfig(r=rank, target_modules=list(DEFAULT_TARGETS), lora_dropout=0.0)
+        from ..sketch import target_module_names
+
+        lora = peft.LoraConfig(r=rank, target_modules=target_module_names(model, DEFAULT_TARGETS), lora_dropout=0.0)
         model = peft.get_peft_model(model, lora)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
     else:

@@ -158,6 +158,11 @@ def estimate(
     for name, value in (("seq", seq), ("batch", batch), ("rank", rank), ("gpus", gpus)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    if m.startswith("logra"):  # the optimizer refuses it (SketchSet): an estimate for it would describe nothing
+        name, _, narrowest = min(shape.targets(), key=lambda t: t[2])
+        if rank > narrowest:
+            raise ValueError(f"rank {rank} exceeds the input size {narrowest} of {name} in {shape.name}: LoGRA's rank "
+                             f"is at most the narrowest target input ({narrowest})")
     precision = activation_precision(dtype, autocast, shard)
     r_lora = lora_rank or rank
     n_tok = batch * seq

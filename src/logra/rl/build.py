@@ -13,6 +13,7 @@ from torch import nn
 
 from .._optional import package_version, require
 from ..optimizer import DenseRowAdam, LoGRAOptimizer
+from ..sketch import target_module_names
 from ..tasks import Task
 from .config import TASK_OPTIONS, RLConfig
 from .tiny import load_or_warm_start
@@ -84,8 +85,8 @@ def build_optimizer(
     else:
         peft = require("peft")
         rank = config.lora_rank or config.logra.rank
-        lora = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=list(config.logra.target_modules),
-                               lora_dropout=0.0)
+        lora = peft.LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
+                               target_modules=target_module_names(model, config.logra.target_modules))
         model = peft.get_peft_model(model, lora)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
                                       betas=betas, weight_decay=0.0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import json
 import re
 import sys
 import tomllib
@@ -20,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from ..errors import LoGRAError
+from .checkpoint import checkpoint_dir, read_checkpoint_config
 from .config import RECIPES, RLConfig, config_from, flat_fields, recipe_config
 from .trainer import RLTrainer
 
@@ -117,8 +118,16 @@ def load_config_file(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise SystemExit(f"logra train: config file {path} does not exist")
-    text = p.read_text()
-    tree = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    if not p.is_file():
+        raise SystemExit(f"logra train: config file {path} is a folder, not a YAML or TOML file")
+    try:
+        text = p.read_text()
+        tree = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        where = getattr(e, "problem_mark", None)  # YAML: line and column of the problem
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        detail = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise SystemExit(f"logra train: config file {path} cannot be read{at}: {detail}") from None
     if not isinstance(tree, dict):
         raise SystemExit(f"logra train: {path} must hold a mapping of options")
     return _flatten(tree)
@@ -171,10 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     values.update(flags)
     recipe = args.recipe or ("none" if values.get("model") else "embedded")
     if args.resume:
-        saved_path = Path(args.resume) / "checkpoint" / "config.json"
-        if not saved_path.exists():
+        if checkpoint_dir(Path(args.resume)) is None:
             raise SystemExit(f"logra train: {args.resume} has no checkpoint to resume")
-        saved = _flatten(json.loads(saved_path.read_text()))
+        try:
+            saved = _flatten(read_checkpoint_config(Path(args.resume)))
+        except LoGRAError as e:
+            raise SystemExit(f"logra train: {e}") from None
         wanted = build_config({**saved, **values})
         current = _flatten(wanted.to_dict())
         differ = [k for k in values if k not in _RESUMABLE_CHANGES and current.get(k) != _coerce_saved(saved.get(k))]
@@ -201,7 +212,10 @@ def _run(config: RLConfig, resume: bool, quiet: bool) -> None:
     except (ValueError, OSError, RuntimeError) as e:  # bad task file, device, model: one line, no traceback
         raise SystemExit(f"logra train: {e}") from None
     if resume:
-        trainer.load_checkpoint()
+        try:
+            trainer.load_checkpoint()
+        except LoGRAError as e:  # a damaged checkpoint, or one another optimizer wrote: one line
+            raise SystemExit(f"logra train: {e}") from None
     trainer.train()
 
 

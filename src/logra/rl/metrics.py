@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +35,29 @@ class MetricsLog:
                     self.writer.add_scalar(prefix + k, v, step)
 
     def read(self) -> list[dict[str, Any]]:
-        """Every record written so far."""
+        """Every record written so far (a last line cut short by a killed process is not one)."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        text = self.path.read_text()
+        lines = text.split("\n")
+        torn = lines.pop()  # '' when the file ends with a newline, as every complete write does
+        records = [json.loads(line) for line in lines if line.strip()]
+        if torn.strip():
+            try:
+                records.append(json.loads(torn))
+            except ValueError:
+                pass
+        return records
 
-    def truncate(self, update: int) -> None:
-        """Drop records written after ``update``'s checkpoint (its evaluation stays), for exact resume."""
+    def truncate(self, update: int, evaluated: bool = True) -> None:
+        """Keep only the records of the run up to ``update``'s checkpoint, for exact resume: its
+        evaluation stays if ``evaluated`` (the checkpoint was written after it). Replaced
+        atomically, so a kill while truncating leaves the old log."""
         kept = [r for r in self.read()
-                if r["update"] < update or (r["kind"] == "eval" and r["update"] == update)]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+                if r["update"] < update or (evaluated and r["kind"] == "eval" and r["update"] == update)]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:

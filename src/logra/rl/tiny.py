@@ -261,7 +261,8 @@ def warm_start(
 
     AdamW with linear warmup and cosine decay for ``config.sft_steps`` steps of
     ``config.sft_batch_size`` demonstrations (shuffled epochs, seeded). The model
-    is left in eval mode.
+    is left in eval mode with no ``.grad`` on any parameter, exactly as a cached warm
+    start loads.
 
     Args:
         model: Policy to train in place.
@@ -324,6 +325,9 @@ def warm_start(
         if progress and len(losses) % 20 == 0:
             bar.set_postfix(loss=f"{sum(losses[-20:]) / 20:.3f}")
     bar.close()
+    # The last batch's gradients would otherwise stay on every parameter and reach whatever
+    # trains this model next (RL's first update), while a cached warm start carries none.
+    opt.zero_grad(set_to_none=True)
     model.eval()
     tail = losses[-max(1, len(losses) // 20) :]
     return {

@@ -104,6 +104,7 @@ class RLTrainer:
         self.controller = config.kl.controller(config.updates)
         self.num_updates = 0
         self.baseline = 0.0
+        self._evaluated_at = -1  # the update whose evaluation is in the log (checkpointed)
         self.log = MetricsLog(self.run_dir, config.tensorboard)
         self._pool: list[Problem] | None = None
         self._eval_pool: list[Problem] | None = None
@@ -141,6 +142,9 @@ class RLTrainer:
                 print(f"interrupted: checkpoint at update {self.num_updates} written to {path}; continue with "
                       f"`logra train --resume {self.run_dir}`")
             return {"interrupted": True, "update": self.num_updates}
+        if self._evaluated_at == self.num_updates:  # a finished run resumed again: already evaluated and saved
+            self.close()
+            return self._finish() if self.rank == 0 else {"rank": self.rank, "updates": self.num_updates}
         self._evaluate_and_log()
         self.save_checkpoint()
         if self.workers is not None:
@@ -155,6 +159,11 @@ class RLTrainer:
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        # The update's gradients are this update's alone: a policy handed over with stale
+        # `.grad` (a supervised warm start, a notebook's own backward) must not be stepped on
+        # them. A no-op after the first update (each update ends by zeroing).
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
 
         # rollout and reward
         problems, rollout = self._rollout(self._train_problems(self.num_updates))
@@ -272,6 +281,7 @@ class RLTrainer:
                         self.config, self.num_updates)
 
     def _evaluate_and_log(self, bar: tqdm | None = None) -> dict[str, Any] | None:
+        self._evaluated_at = self.num_updates
         if self.rank != 0:  # the policy is identical on every rank; rank 0 evaluates it
             torch.distributed.barrier()
             return None
@@ -300,22 +310,28 @@ class RLTrainer:
     def save_checkpoint(self) -> Path:
         """Weights (safetensors) + optimizer, controller, scheduler and RNG state (see `checkpoint.py`)."""
         state = {
-            "update": self.num_updates, "baseline": self.baseline, "optimizer": self.optimizer.state_dict(),
+            "update": self.num_updates, "baseline": self.baseline, "evaluated_at": self._evaluated_at,
+            "optimizer": self.optimizer.state_dict(),
             "controller": self.controller.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         }
         return save_checkpoint(self.run_dir, self.model, state, self.config.to_dict(), self.rank, self.world)
 
     def load_checkpoint(self) -> None:
-        """Continue from ``run_dir/checkpoint`` exactly where it stopped."""
+        """Continue from ``run_dir/checkpoint`` exactly where it stopped.
+
+        Raises:
+            CheckpointError: the checkpoint is missing or a file of it is damaged (nothing loaded).
+        """
         state = load_checkpoint(self.run_dir, self.model, self.rank, self.world)
         self.optimizer.load_state_dict(state["optimizer"])
         self.controller.load_state_dict(state["controller"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.num_updates, self.baseline = state["update"], state["baseline"]
+        self._evaluated_at = state.get("evaluated_at", -1)  # absent from checkpoints of older versions
         if self.rank == 0:  # metrics written after the checkpoint are dropped: the log matches the run
-            self.log.truncate(self.num_updates)
+            self.log.truncate(self.num_updates, evaluated=self._evaluated_at == self.num_updates)
 
     def close(self) -> None:
         """Stop the rollout workers (if any)."""
