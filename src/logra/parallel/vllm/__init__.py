@@ -18,7 +18,8 @@ from .layout import DEFAULT_VOCAB_PADDING, FusedLayout, Slot, copy_into_fused, f
 from .receiver import STRATEGIES, FusedReceiver, apply_delta_fused, expected_fused_checksum, fused_checksum
 
 __all__ = [
-    "DEFAULT_VOCAB_PADDING", "EXTENSION", "STRATEGIES", "LoGRAWorkerExtension", "VLLMPolicy", "make_engine", "ChecksumMismatchError", "DeltaGapError", "FusedLayout", "FusedReceiver",
-    "LayoutError", "NeedsResyncError", "Slot", "apply_delta_fused", "copy_into_fused", "expected_fused_checksum",
-    "fuse_state_dict", "fused_checksum",
+    "DEFAULT_VOCAB_PADDING", "EXTENSION", "STRATEGIES", "ChecksumMismatchError", "DeltaGapError", "FusedLayout",
+    "FusedReceiver", "LayoutError", "LoGRAWorkerExtension", "NeedsResyncError", "Slot", "VLLMPolicy",
+    "apply_delta_fused", "copy_into_fused", "expected_fused_checksum", "fuse_state_dict", "fused_checksum",
+    "make_engine",
 ]
