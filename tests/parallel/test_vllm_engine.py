@@ -106,13 +106,20 @@ def test_fp32_engine_follows_20_updates_refuses_bad_deltas_and_resyncs(engines, 
     seqs = held_out()
     before = torch.tensor(engine.prompt_logprobs(seqs))
     diffs = [float((before - hf_logprobs(run.model, seqs)).abs().max())]
+    sampled = []
     for _ in range(UPDATES):
         delta = run.update()
         engine.publish(delta)  # the trainer's checksum travels with it and is verified in the engine
         assert engine.checksum() == weights_checksum(run.model, sorted(delta.factors)) == engine.trainer_checksum()
         diffs.append(float((torch.tensor(engine.prompt_logprobs(seqs)) - hf_logprobs(run.model, seqs)).abs().max()))
-    print(f"fp32 {engine.info['mode']}: shadow {engine.info['shadow_bytes']} B, max |Δlogprob| per update {diffs}")
-    assert max(diffs) < FP32_TOL
+        # prompts longer than a KV block: vLLM's prefix cache would serve them with the old weights
+        for prompt, response, lps, _ in engine.generate(held_out(2, 200), max_new_tokens=4, eos_token_id=None,
+                                                        seed=run.i):
+            ref = hf_logprobs(run.model, [prompt + response])[0, len(prompt) - 1:]
+            sampled.append(float((torch.tensor(lps) - ref).abs().max()))
+    print(f"fp32 {engine.info['mode']}: shadow {engine.info['shadow_bytes']} B, max |Δlogprob| per update {diffs}, "
+          f"sampled tokens {max(sampled):.2e}")
+    assert max(diffs) < FP32_TOL and max(sampled) < FP32_TOL
     after = torch.tensor(engine.prompt_logprobs(seqs))
     assert (after - before).abs().max() > 100 * FP32_TOL  # the deltas reached the kernels
     assert engine.step == UPDATES

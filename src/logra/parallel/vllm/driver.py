@@ -130,7 +130,15 @@ class VLLMPolicy:
         Raises what `LoGRAWorkerExtension.logra_apply_delta` raises (the engine is then unchanged).
         """
         dense_bytes = st_save({n: t.detach().contiguous().cpu() for n, t in dense.items()}) if dense else b""
-        return self._call("logra_apply_delta", delta.to_bytes(), dense_bytes)
+        try:
+            return self._call("logra_apply_delta", delta.to_bytes(), dense_bytes)
+        finally:
+            self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        """Drop vLLM's prefix cache: its KV blocks were computed with the previous weights and would
+        otherwise serve every prompt sharing a cached prefix (measured: 0.26 nats off after 1 update)."""
+        self.llm.reset_prefix_cache()
 
     def publish(self, delta: PolicyDelta) -> dict[str, float]:
         """The trainer's hook (as `RolloutWorkers.publish`): send ``delta`` just applied to ``model``.
@@ -155,8 +163,11 @@ class VLLMPolicy:
 
     def resync(self, path_or_bytes: str | bytes, step: int) -> str:
         """Full-weight sync from a saved policy (folder, safetensors file or bytes) at ``step``."""
-        return self._call("logra_load_full", str(path_or_bytes) if not isinstance(path_or_bytes, bytes)
+        try:
+            return self._call("logra_load_full", str(path_or_bytes) if not isinstance(path_or_bytes, bytes)
                           else path_or_bytes, step)
+        finally:
+            self._weights_changed()
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_id: int | None,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int = 0

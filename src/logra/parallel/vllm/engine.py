@@ -28,6 +28,10 @@ Verification happens before any weight changes: step order, sync fields, target 
 shapes, finite factors and dense tensors, and (when the delta carries one) the checksum
 of the merged result, computed on temporaries one target at a time. A refused delta
 leaves the engine as it was.
+
+A driver that calls these methods itself must call ``llm.reset_prefix_cache()`` after a
+change of weights (`VLLMPolicy` does): vLLM's prefix cache lives in the scheduler, out of a
+worker's reach, and would keep serving prompt KV computed with the old weights.
 """
 
 from __future__ import annotations
