@@ -116,10 +116,37 @@ def delta_projection(delta: PolicyDelta, config: LoGRAConfig, name: str, in_feat
 
 
 def merge_update(weight: torch.Tensor, u: torch.Tensor, projection: torch.Tensor, decay: float) -> None:
-    """In place: ``W ← (1 - decay)·W - U A`` (the single merge used by trainer and receivers)."""
-    if decay:
-        weight.mul_(1.0 - decay)
-    weight.addmm_(u.to(weight.dtype), projection.to(weight.dtype), alpha=-1.0)
+    """In place: ``W ← (1 - decay)·W - U A`` (the single merge used by trainer and receivers).
+
+    ``U A`` and the decay are computed in float32 (float64 for a float64 weight) and the
+    result is rounded once into the weight's dtype. A bf16 weight is thus not updated by a
+    bf16 GEMM, which CPUs without native bf16 matrix units (AVX2) run 10-20x slower than
+    fp32 and which would round ``(1 - decay)·W`` separately. Every caller (trainer, HF
+    copy, vLLM engine) goes through here with the weight's full shape, so the same
+    deltas give the same bits on every receiver of the same device type.
+    """
+    compute = torch.promote_types(weight.dtype, torch.float32)
+    u = u.to(device=weight.device, dtype=compute)
+    a = projection.to(device=weight.device, dtype=compute)
+    beta = 1.0 - decay
+    # TF32 would round A (±1/sqrt(r) is not a TF32 number for most r) and depend on a
+    # process-global flag that a trainer and an inference engine may set differently.
+    tf32 = weight.is_cuda and torch.backends.cuda.matmul.allow_tf32
+    if tf32:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        if weight.dtype == compute:
+            weight.addmm_(u, a, beta=beta, alpha=-1.0)
+            return
+        # Row blocks bound the float32 temporary to 2^24 values (64 MiB) at any weight size;
+        # the blocking is a function of the shape only, so every receiver blocks alike.
+        rows = max(1, (1 << 24) // max(1, weight.shape[1]))
+        for start in range(0, weight.shape[0], rows):
+            block = weight[start: start + rows]
+            block.copy_(torch.addmm(block.to(compute), u[start: start + rows], a, beta=beta, alpha=-1.0))
+    finally:
+        if tf32:
+            torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def policy_step(model: nn.Module) -> int:

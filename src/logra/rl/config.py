@@ -78,6 +78,12 @@ class RLConfig:
         rollout_workers: separate processes that hold their own copy of the policy, receive
             every update as a verified low-rank delta (`logra.parallel`) and generate the
             training rollouts (LoGRA, one trainer process; 0 = generate in the trainer).
+        rollout_engine: what generates the training rollouts: 'hf' (transformers' ``generate``
+            on the trainer's model) or 'vllm' (a vLLM engine in the trainer's process, started
+            from the initial policy and kept equal to the trainer's weights by every update's
+            verified `PolicyDelta`; LoGRA, dp=1; needs ``logra[vllm]``). Old log-probs of the
+            loss come from the trainer either way; ``mismatch_kl`` logs how far the engine's
+            sampling log-probs are from them.
     """
 
     model: str = ""
@@ -119,10 +125,11 @@ class RLConfig:
     threads: int = 0
     dp: int = 1
     rollout_workers: int = 0
+    rollout_engine: Literal["hf", "vllm"] = "hf"
 
     def __post_init__(self) -> None:
         choices = {"optimizer": ("logra", "adamw", "lora", "dense_row_adam"), "algorithm": ("grpo", "reinforce"),
-                   "extract": ("answer", "boxed", "last_line", "full", "tag", None)}
+                   "extract": ("answer", "boxed", "last_line", "full", "tag", None), "rollout_engine": ("hf", "vllm")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"RLConfig.{name}={getattr(self, name)!r} is not one of {allowed}")
@@ -150,6 +157,9 @@ class RLConfig:
             raise ValueError(f"prompts_per_update ({self.prompts_per_update}) must be a multiple of dp ({self.dp})")
         if self.rollout_workers and (self.dp > 1 or self.optimizer != "logra"):
             raise ValueError("rollout_workers needs optimizer='logra' and dp=1 (workers receive LoGRA deltas)")
+        if self.rollout_engine == "vllm" and (self.dp > 1 or self.optimizer != "logra" or self.rollout_workers):
+            raise ValueError("rollout_engine='vllm' needs optimizer='logra', dp=1 and rollout_workers=0 "
+                             "(the engine receives LoGRA deltas from the one trainer process)")
         if self.eval_samples < 4:
             raise ValueError("eval_samples must be >= 4 to estimate Pass@4")
         if not 0 < self.temperature or not 0 < self.top_p <= 1:

@@ -3,7 +3,8 @@
 One update (`RLTrainer.train_step`):
 
 1. rollout: sample ``responses_per_prompt`` responses to each prompt (`rollout.py`, or
-   rollout workers kept in sync by low-rank deltas, `workers.py`);
+   rollout workers kept in sync by low-rank deltas, `workers.py`, or a colocated vLLM
+   engine kept in sync the same way, `logra.parallel.vllm`);
 2. reward: grade them with the task (`logra.tasks`);
 3. loss: GRPO or REINFORCE per token (`loss.py`), backward micro-batch by micro-batch —
    LoGRA's backward fills gradient sketches instead of dense gradients;
@@ -34,7 +35,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..delta import weights_checksum
+from ..errors import ChecksumMismatchError
+from ..optimizer import LoGRAOptimizer
 from ..parallel import global_token_count, init_from_env, verify_projections
+from ..parallel.vllm import VLLMPolicy, make_engine
 from ..tasks import Problem, Task, is_correct
 from ..updater import LoGRAUpdater, controlled_step, make_updater
 from .build import build_optimizer, load_policy
@@ -101,6 +105,9 @@ class RLTrainer:
 
             self.workers = RolloutWorkers(self.model, self.optimizer, config.logra, config.rollout_workers,
                                           self.run_dir)
+        elif config.rollout_engine == "vllm":
+            # `_controlled_update` publishes every delta through `self.workers.publish`
+            self.workers = _start_vllm(self.model, self.optimizer, config, self.run_dir)
         self.controller = config.kl.controller(config.updates)
         self.num_updates = 0
         self.baseline = 0.0
@@ -147,7 +154,10 @@ class RLTrainer:
             return self._finish() if self.rank == 0 else {"rank": self.rank, "updates": self.num_updates}
         self._evaluate_and_log()
         self.save_checkpoint()
-        if self.workers is not None:
+        if isinstance(self.workers, VLLMPolicy):
+            self.log.write({"kind": "sync", "update": self.num_updates, "trainer": self.workers.trainer_checksum(),
+                            "engine": self.workers.checksum()})
+        elif self.workers is not None:
             self.log.write({"kind": "sync", "update": self.num_updates, "trainer": weights_checksum(self.model),
                             "workers": self.workers.publisher.checksums()})
         self.close()
@@ -259,6 +269,13 @@ class RLTrainer:
     def _rollout(self, problems: list[Problem]) -> tuple[list[Problem], Rollout]:
         cfg = self.config
         expanded = [p for p in problems for _ in range(cfg.responses_per_prompt)]
+        if isinstance(self.workers, VLLMPolicy):
+            ids = self.tokenizer([p.prompt for p in expanded])["input_ids"]
+            rows = self.workers.generate(ids, max_new_tokens=cfg.max_new_tokens,
+                                         eos_token_id=self.tokenizer.eos_token_id, temperature=cfg.temperature,
+                                         top_p=cfg.top_p,
+                                         seed=cfg.seed * 1_000_003 + self.num_updates * len(ids))
+            return expanded, layout_rollouts(rows, self.tokenizer, self.device)
         if self.workers is None:
             return expanded, generate_rollouts(
                 self.model, self.tokenizer, [p.prompt for p in expanded], temperature=cfg.temperature,
@@ -330,6 +347,11 @@ class RLTrainer:
             self.scheduler.load_state_dict(state["scheduler"])
         self.num_updates, self.baseline = state["update"], state["baseline"]
         self._evaluated_at = state.get("evaluated_at", -1)  # absent from checkpoints of older versions
+        if isinstance(self.workers, VLLMPolicy):  # the engine holds the checkpoint's weights, verified
+            got = self.workers.resync(str(self.run_dir / "checkpoint" / "model.safetensors"), self.num_updates)
+            if got != self.workers.trainer_checksum():
+                raise ChecksumMismatchError(f"vLLM engine after resume: checksum {got} differs from the trainer's "
+                                            f"{self.workers.trainer_checksum()}")
         if self.rank == 0:  # metrics written after the checkpoint are dropped: the log matches the run
             self.log.truncate(self.num_updates, evaluated=self._evaluated_at == self.num_updates)
 
@@ -348,6 +370,16 @@ class RLTrainer:
         if self.world > 1:
             stop.requested = self._sum([float(stop.requested)])[0] > 0
         return stop.requested
+
+
+def _start_vllm(model: nn.Module, optimizer: LoGRAOptimizer, config: RLConfig, run_dir: Path) -> VLLMPolicy:
+    """A colocated vLLM engine over the initial policy (saved to ``run_dir/vllm-policy``), in the
+    trainer's dtype so every delta's checksum is verified in the engine."""
+    folder = run_dir / "vllm-policy"
+    model.save_pretrained(folder)
+    dtype = str(next(p for p in model.parameters()).dtype).replace("torch.", "")
+    llm = make_engine(str(folder), dtype=dtype, seed=config.seed)
+    return VLLMPolicy(llm, config.logra, step=0, model=model, optimizer=optimizer)
 
 
 def _resolve_device(name: str) -> torch.device:
