@@ -253,8 +253,8 @@ def test_conflicting_settings_are_refused(case, model_dir, tmp_path, monkeypatch
         "peft": "drop peft_config", "non_target_sketch": "non_target='freeze'", "deepspeed": "plain data parallel",
         "fsdp": "plain data parallel", "sharded": "plain data parallelism (DDP) only",
     }[case]
-    if case == "use_vllm":
-        args.use_vllm = True
+    if case == "use_vllm":  # server mode; colocate runs (test_trl_vllm.py)
+        args.use_vllm, args.vllm_mode = True, "server"
     elif case == "fp16":
         args.fp16 = True
     elif case == "optimizer":

@@ -103,6 +103,7 @@ def test_fp32_engine_follows_20_updates_refuses_bad_deltas_and_resyncs(engines, 
     get, folder = engines
     run = Run(non_target="sketch")  # embeddings/lm_head sketched, norms and biases trained densely
     engine = VLLMPolicy(get("float32"), run.config, model=run.model, optimizer=run.opt)
+    engine.verify()
     seqs = held_out()
     before = torch.tensor(engine.prompt_logprobs(seqs))
     diffs = [float((before - hf_logprobs(run.model, seqs)).abs().max())]

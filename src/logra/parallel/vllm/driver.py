@@ -2,7 +2,8 @@
 
 ```python
 llm = make_engine("policy_dir", dtype="float32")           # an in-process vLLM engine + the extension
-engine = VLLMPolicy(llm, config, model=model, optimizer=opt)  # configure; checksums compared
+engine = VLLMPolicy(llm, config, model=model, optimizer=opt)  # configure
+engine.verify()                                               # the engine holds the trainer's weights
 delta = opt.apply(opt.propose())
 engine.apply(delta)        # only U + seeds (+ dense non-target tensors) cross into the engine
 rows = engine.generate(prompt_ids, max_new_tokens=32, eos_token_id=eos, seed=0)
@@ -72,9 +73,8 @@ class VLLMPolicy:
         optimizer: the trainer's `LoGRAOptimizer` (its ``dense_parameters()`` travel densely).
         verify_every: attach the trainer's checksum to every k-th delta (0 = never).
 
-    Raises:
-        ChecksumMismatchError: ``model`` is given, has the engine's dtype, and the engine does
-            not hold its weights.
+    Call `verify` once to check that the engine starts from the trainer's weights, or
+    `load_from_model` to make it so (after a resume).
     """
 
     def __init__(self, llm: Any, config: LoGRAConfig, step: int = 0, model: nn.Module | None = None,
@@ -86,14 +86,31 @@ class VLLMPolicy:
         ids = {id(p) for p in optimizer.dense_parameters()} if optimizer is not None else set()
         self.dense_names = [stable_name(n) for n, p in (model.named_parameters() if model is not None else ())
                             if id(p) in ids]
-        got = self._call("logra_configure", json.dumps(config.to_dict()), step)
+        self._call("logra_configure", json.dumps(config.to_dict()), step)
         self.info = json.loads(self._call("logra_info"))
         self.dtype: torch.dtype = getattr(torch, self.info["dtype"])
-        if self._same_dtype():
-            want = self.trainer_checksum()
-            if got != want:
-                raise ChecksumMismatchError(f"the engine does not start from the trainer's weights: engine {got}, "
-                                            f"trainer {want}")
+
+    def verify(self) -> str:
+        """Check that the engine holds the trainer model's target weights; their checksum.
+
+        Raises:
+            ValueError: no ``model``, or the engine holds another dtype (nothing to compare bitwise).
+            ChecksumMismatchError: the engine's weights differ from the trainer's.
+        """
+        if not self.comparable:
+            raise ValueError(f"the engine holds {self.dtype}, the trainer's targets another dtype (or no model was "
+                             "given): its weights cannot be compared bitwise")
+        got, want = self.checksum(), self.trainer_checksum()
+        if got != want:
+            raise ChecksumMismatchError(f"the engine does not hold the trainer's weights: engine {got}, trainer {want}")
+        return got
+
+    def load_from_model(self, step: int) -> str:
+        """Full resync from the trainer ``model``'s current weights (sent as safetensors bytes) at ``step``."""
+        if self.model is None:
+            raise ValueError("VLLMPolicy was built without the trainer's model")
+        state = {stable_name(n): p.detach().to(self.dtype).contiguous().cpu() for n, p in self.model.named_parameters()}
+        return self.resync(st_save(state), step)
 
     def _call(self, method: str, *args: Any) -> str:
         """One ``collective_rpc``; every worker must answer the same."""
@@ -107,7 +124,9 @@ class VLLMPolicy:
 
         return sorted(find_targets(self.model, self.config.target_modules, self.config.non_target == "sketch"))
 
-    def _same_dtype(self) -> bool:
+    @property
+    def comparable(self) -> bool:
+        """Whether the engine holds the trainer model's dtype, so their weights compare bitwise."""
         if self.model is None:
             return False
         params = {stable_name(n): p for n, p in self.model.named_parameters()}
@@ -147,7 +166,7 @@ class VLLMPolicy:
         the trainer's dtype, so a mismatch is refused in the engine. Returns metrics.
         """
         t0 = time.perf_counter()
-        if self._same_dtype() and self.verify_every and delta.step % self.verify_every == 0:
+        if self.comparable and self.verify_every and delta.step % self.verify_every == 0:
             delta = dataclasses.replace(delta, checksum=weights_checksum(self.model, sorted(delta.factors)))
         dense = None
         if self.dense_names:
