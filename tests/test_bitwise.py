@@ -74,13 +74,24 @@ def logra_digest(options: dict) -> str:
         proposal = opt.propose()
         digests.append(f"{proposal.sketch_norm!r}:{proposal.update_norm!r}")
         delta = opt.apply(proposal, alpha=0.5 if i % 2 else 1.0)
-        digests.append(hashlib.blake2b(delta.to_bytes(), digest_size=16).hexdigest())
+        digests.append(_delta_digest(delta))
         apply_delta(receiver, delta, config)
         opt.zero_grad()
     targets = opt.targets
     digests.append(weights_checksum(receiver, targets))
     digests.append(weights_checksum(model))
     return weights_checksum_of(digests)
+
+
+def _delta_digest(delta) -> str:
+    """The numbers a delta carries (its step, projection index, decay, factors, column
+    scales), not its serialised header, which may gain fields without changing a result."""
+    h = hashlib.blake2b(f"{delta.step}:{delta.projection_index}:{delta.decay!r}".encode(), digest_size=16)
+    for group in (delta.factors, delta.column_scales):
+        for name in sorted(group):
+            h.update(name.encode())
+            h.update(group[name].detach().cpu().contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def dense_digest(options: dict) -> str:
