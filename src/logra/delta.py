@@ -26,6 +26,7 @@ from .projection import build_projection, stable_name
 
 _STEP_ATTR = "_logra_policy_step"
 _SCALE_KEY = "column_scale:"  # safetensors key prefix of a column-scale vector
+_DENSE_KEY = "dense:"  # safetensors key prefix of a densely trained non-target tensor
 
 
 @dataclass
@@ -42,6 +43,14 @@ class PolicyDelta:
         metadata: free-form JSON-serialisable annotations.
         column_scales: per target, the column scales ``c`` (``[in]`` fp32) of its projection
             ``A·diag(c)`` (``LoGRAConfig.column_scale='input'``); absent targets use ``A``.
+        dense: the new values of the non-target parameters a native AdamW trains
+            (``non_target`` ``'adamw'``/``'sketch'``), by stable name, in their own dtype: the
+            part of the update that has no low-rank form. Empty with ``'freeze'`` (paper).
+        shapes: per target, the ``[out, in]`` shape of the weight it was made for; a
+            receiver whose weight differs in any dimension is refused.
+        base_checksum: on the first delta an optimizer makes (after construction or a
+            resume), the digest of the target weights it started from: a receiver that
+            holds other weights is refused at the first delta, not left to drift.
     """
 
     step: int
@@ -52,11 +61,15 @@ class PolicyDelta:
     checksum: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     column_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    base_checksum: str | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the factors and column scales (the payload; seeds and names are negligible)."""
-        tensors = list(self.factors.values()) + list(self.column_scales.values())
+        """Bytes of the factors, column scales and dense tensors (the payload; seeds and
+        names are negligible)."""
+        tensors = [*self.factors.values(), *self.column_scales.values(), *self.dense.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def to_bytes(self) -> bytes:
@@ -64,9 +77,11 @@ class PolicyDelta:
         header = {
             "step": self.step, "projection_index": self.projection_index, "sync": self.sync,
             "decay": self.decay, "checksum": self.checksum, "metadata": self.metadata,
+            "shapes": self.shapes, "base_checksum": self.base_checksum,
         }
         tensors = {name: u.detach().contiguous().cpu() for name, u in self.factors.items()}
         tensors.update({_SCALE_KEY + name: c.detach().contiguous().cpu() for name, c in self.column_scales.items()})
+        tensors.update({_DENSE_KEY + name: t.detach().contiguous().cpu() for name, t in self.dense.items()})
         return _st_save(tensors, metadata={"logra": json.dumps(header)})
 
     @classmethod
@@ -89,9 +104,11 @@ class PolicyDelta:
                 raise ValueError("a safetensors file without the PolicyDelta header")
             header = json.loads(meta["logra"])
             tensors = _st_load(data)
-            factors = {k: v for k, v in tensors.items() if not k.startswith(_SCALE_KEY)}
-            scales = {k[len(_SCALE_KEY):]: v for k, v in tensors.items() if k.startswith(_SCALE_KEY)}
-            return cls(factors=factors, column_scales=scales, **header)
+            parts: dict[str, dict[str, torch.Tensor]] = {"": {}, _SCALE_KEY: {}, _DENSE_KEY: {}}
+            for key, value in tensors.items():
+                prefix = next((p for p in (_SCALE_KEY, _DENSE_KEY) if key.startswith(p)), "")
+                parts[prefix][key[len(prefix):]] = value
+            return cls(factors=parts[""], column_scales=parts[_SCALE_KEY], dense=parts[_DENSE_KEY], **header)
         except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, SafetensorError) as e:
             detail = " ".join(str(e).split())[:200]
             raise DeltaMismatchError(f"these {len(data):,} bytes are not a serialised PolicyDelta: "
@@ -174,12 +191,13 @@ def apply_delta(model: nn.Module, delta: PolicyDelta, config: LoGRAConfig) -> No
     """Apply ``delta`` to a copy of the policy, rebuilding every projection from seeds.
 
     The model must have received every earlier delta (`policy_step`), so gaps and
-    reorders are refused; so are deltas made with other sync fields or shapes. After the
-    same sequence of deltas its target weights are bitwise identical to the trainer's.
+    reorders are refused; so are deltas made with other sync fields, for weights of
+    another shape, with non-finite values, or (the first delta of a stream, which carries
+    ``base_checksum``) for other starting weights. After the same sequence of deltas every
+    parameter the trainer changed (targets, and the ``dense`` part) is bitwise the trainer's.
 
     Raises:
-        DeltaMismatchError: config fields, target names or shapes differ, or the delta's
-            step is not the next one. Nothing is changed in that case.
+        DeltaMismatchError: any of the above, naming the tensor. Nothing is changed then.
     """
     check_sync(delta, config)
     current = policy_step(model)
@@ -187,17 +205,33 @@ def apply_delta(model: nn.Module, delta: PolicyDelta, config: LoGRAConfig) -> No
         raise DeltaMismatchError(
             f"out-of-order delta: model holds the policy after {current} updates, delta is update {delta.step}")
     params = {stable_name(n): p for n, p in model.named_parameters()}
-    missing = sorted(set(delta.factors) - set(params))
+    missing = sorted((set(delta.factors) | set(delta.dense)) - set(params))
     if missing:
         raise DeltaMismatchError(f"delta targets {missing[:3]}{'...' if len(missing) > 3 else ''} not in this model")
     for name, u in delta.factors.items():
         w = params[name]
-        if w.dim() != 2 or u.shape != (w.shape[0], config.rank) or config.rank > w.shape[1]:
+        made_for = tuple(delta.shapes.get(name, w.shape))
+        if w.dim() != 2 or u.shape != (w.shape[0], config.rank) or config.rank > w.shape[1] or made_for != w.shape:
+            raise DeltaMismatchError(f"delta factor for {name} is {tuple(u.shape)} (made for a {made_for} weight), "
+                                     f"model weight is {tuple(w.shape)}, rank {config.rank}")
+    for name, t in delta.dense.items():
+        if t.shape != params[name].shape:
             raise DeltaMismatchError(
-                f"delta factor for {name} is {tuple(u.shape)}, model weight is {tuple(w.shape)}, rank {config.rank}")
+                f"delta's dense {name} is {tuple(t.shape)}, model's is {tuple(params[name].shape)}")
+    for kind, group in (("factor", delta.factors), ("column scale", delta.column_scales), ("dense", delta.dense)):
+        for name, t in group.items():
+            if t.numel() and not bool(torch.isfinite(t).all()):
+                raise DeltaMismatchError(f"delta's {kind} for {name} holds NaN/Inf")
+    if delta.base_checksum is not None:
+        held = weights_checksum(model, sorted(delta.factors))
+        if held != delta.base_checksum:
+            raise DeltaMismatchError(f"delta stream starts from other weights: the trainer started from "
+                                     f"{delta.base_checksum}, this model holds {held} (full resync needed)")
     with torch.no_grad():
         for name, u in delta.factors.items():
             w = params[name]
             a = delta_projection(delta, config, name, w.shape[1], w.device)
             merge_update(w, u.to(w.device), a, delta.decay)
+        for name, t in delta.dense.items():
+            params[name].copy_(t)
     set_policy_step(model, delta.step + 1)

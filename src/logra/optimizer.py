@@ -24,9 +24,9 @@ from torch import nn
 from torch.profiler import record_function
 
 from .config import LoGRAConfig
-from .delta import PolicyDelta, merge_update, set_policy_step
+from .delta import PolicyDelta, merge_update, set_policy_step, weights_checksum
 from .errors import NonFiniteSketchError, StaleProposalError
-from .projection import Projector
+from .projection import Projector, stable_name
 from .rules import (
     AdamRule,
     FirstMoment,
@@ -38,6 +38,11 @@ from .rules import (
     step_scales,
 )
 from .sketch import SketchSet, SketchTarget
+
+
+def _is_sharded(weight: torch.Tensor) -> bool:
+    """A DTensor (FSDP2 row sharding): no single process holds the whole weight."""
+    return hasattr(weight, "device_mesh")
 
 
 def _all_finite(x: torch.Tensor) -> bool:
@@ -133,6 +138,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self._dense = torch.optim.AdamW(rest, lr=config.non_target_lr, betas=(0.9, 0.95), weight_decay=0.0)
             self._dense.param_groups[0]["name"] = "non_target_adamw"
             self.param_groups.append(self._dense.param_groups[0])
+        # the stable names under which the dense part of each delta travels
+        self._dense_names = {id(p): stable_name(n) for n, p in model.named_parameters() if id(p) in
+                             {id(q) for q in rest}} if self._dense is not None else {}
+        self._stream_started = False  # whether a delta with the starting weights' digest was made
         self._step = 0
         rows = self._sketches.sketch_rows
         self.rule: SketchRule = make_rule(config.optimizer, {n: t.out_features for n, t in targets.items()}, rows,
@@ -282,6 +291,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         dtype = self.config.torch_factor_dtype
         decay = alpha * proposal.decay
         factors = {}
+        targets = self._sketches.targets
+        base = None
+        if not self._stream_started and not any(_is_sharded(w) for w in self.param_groups[0]["params"]):
+            # once per stream: ties it to the weights it starts from (row-sharded weights skip it)
+            base = weights_checksum(self.model, sorted(targets))
         with record_function("logra.merge"):
             for name, target in self._sketches.targets.items():
                 # released as merged: the factors U replace the directions, not add to them
@@ -295,12 +309,16 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self.first_moment.commit(sketches, proposal._beta1, proposal._clip)
         if self.projector.input_means:
             self.projector.fold_input_statistics(beta2)
+        dense = {}
         if self._dense is not None:
             self._dense_step(alpha, proposal._clip)
+            dense = {self._dense_names[id(p)]: p.detach().clone() for p in self.dense_parameters()}
         delta = PolicyDelta(
             step=self._step, projection_index=self.projector.index, sync=self.config.sync_fields(),
-            factors=factors, decay=decay, column_scales=dict(self.projector.column_scales),
+            factors=factors, decay=decay, column_scales=dict(self.projector.column_scales), dense=dense,
+            shapes={n: [t.out_features, t.in_features] for n, t in targets.items()}, base_checksum=base,
         )
+        self._stream_started = True
         self._step += 1
         set_policy_step(self.model, self._step)
         with record_function("logra.refresh"):
@@ -378,6 +396,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.param_groups[0].update(state_dict["hyper"])
         self._step = state_dict["num_updates"]
         set_policy_step(self.model, self._step)
+        self._stream_started = False  # the resumed stream is tied to the weights it resumes from
         self._sketches.zero_()
         self.projector.load_state(state_dict, self._step, self.param_groups[0]["beta2"])
 

@@ -129,6 +129,7 @@ class RowShardedLoGRA:
             for name, target in self._targets.items():
                 target.weight = self._sharded[name]
         delta.factors = factors
+        delta.shapes = {n: list(w.shape) for n, w in self._sharded.items()}
         return delta
 
     def step(self) -> PolicyDelta:

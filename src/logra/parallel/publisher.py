@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
-from safetensors.torch import save as _st_save
 from torch import nn
 
 from ..config import LoGRAConfig
@@ -242,12 +241,9 @@ class PolicyPublisher:
         if verify and delta.checksum is None:
             delta.checksum = weights_checksum(self.model, sorted(delta.factors))
         header: dict[str, Any] = {"step": delta.step, "checksum": delta.checksum, "dense": None}
-        blobs = [delta.to_bytes()]
-        if self.dense_names:
-            params = {stable_name(n): p for n, p in self.model.named_parameters()}
-            blobs.append(_st_save({n: params[n].detach().contiguous().cpu() for n in self.dense_names}))
-            header["dense"] = weights_checksum(self.model, self.dense_names) if verify else ""
-        return Message("delta", header, blobs)
+        if delta.dense:  # the delta carries the densely trained tensors itself
+            header["dense"] = weights_checksum(self.model, sorted(delta.dense)) if verify else ""
+        return Message("delta", header, [delta.to_bytes()])
 
     @staticmethod
     def _corrupted(delta: PolicyDelta, message: Message) -> Message:

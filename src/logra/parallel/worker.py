@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load as _st_load
 from torch import nn
 
 from ..config import LoGRAConfig
@@ -108,10 +107,7 @@ class RolloutWorker:
             apply_delta(self.model, delta, self.config)
         except DeltaMismatchError as e:
             return "resync", f"delta refused: {e}"
-        dense = None
-        if message.header["dense"] is not None:
-            dense = dict(_st_load(message.blobs[1]))
-            load_full_weights(self.model, dense, strict=False)
+        dense = delta.dense if message.header["dense"] is not None else None
         if message.header["checksum"]:
             got = weights_checksum(self.model, sorted(delta.factors))
             if got != message.header["checksum"]:

@@ -148,9 +148,10 @@ class VLLMPolicy:
 
         Raises what `LoGRAWorkerExtension.logra_apply_delta` raises (the engine is then unchanged).
         """
+        dense = delta.dense if dense is None else dense
         dense_bytes = st_save({n: t.detach().contiguous().cpu() for n, t in dense.items()}) if dense else b""
-        try:
-            return self._call("logra_apply_delta", delta.to_bytes(), dense_bytes)
+        try:  # the dense part travels as its own bytes, in the engine's dtype
+            return self._call("logra_apply_delta", dataclasses.replace(delta, dense={}).to_bytes(), dense_bytes)
         finally:
             self._weights_changed()
 
@@ -168,13 +169,11 @@ class VLLMPolicy:
         t0 = time.perf_counter()
         if self.comparable and self.verify_every and delta.step % self.verify_every == 0:
             delta = dataclasses.replace(delta, checksum=weights_checksum(self.model, sorted(delta.factors)))
-        dense = None
-        if self.dense_names:
-            params = {stable_name(n): p for n, p in self.model.named_parameters()}
-            dense = {n: params[n].to(self.dtype) for n in self.dense_names}
-        self.apply(delta, dense)
-        dense_bytes = sum(t.numel() * t.element_size() for t in (dense or {}).values())
-        return {"sync_bytes": delta.nbytes + dense_bytes, "time_sync": time.perf_counter() - t0}
+        low_rank = dataclasses.replace(delta, dense={})
+        dense = {n: t.to(self.dtype) for n, t in delta.dense.items()}  # the delta's dense part
+        self.apply(low_rank, dense)
+        dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
+        return {"sync_bytes": low_rank.nbytes + dense_bytes, "time_sync": time.perf_counter() - t0}
 
     def checksum(self) -> str:
         """The engine's `weights_checksum` of its target weights (HF names)."""
