@@ -82,8 +82,8 @@ def test_from_config_reads_a_config_json(tmp_path) -> None:
     nested = ModelShape.from_config({"model_type": "llava", "text_config": LlamaConfig(
         vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4).to_dict()})
     assert (nested.vocab_size, nested.num_kv_heads, nested.qkv_bias) == (500, 4, False)
-    # and the CLI accepts the path
-    assert main(["--model", str(path), "--seq", "64", "--json"]) == 0
+    # and the CLI accepts the path (at a rank LoGRA can run on 96-wide layers; the default 256 is refused)
+    assert main(["--model", str(path), "--seq", "64", "--rank", "64", "--json"]) == 0
 
 
 def test_from_config_rejects_a_non_decoder_config() -> None:
