@@ -50,7 +50,10 @@ class PolicyDelta:
             receiver whose weight differs in any dimension is refused.
         base_checksum: on the first delta an optimizer makes (after construction or a
             resume), the digest of the target weights it started from: a receiver that
-            holds other weights is refused at the first delta, not left to drift.
+            holds other weights in the same dtype is refused at the first delta, not left
+            to drift (a receiver in another dtype, e.g. a bf16 rollout copy, cannot hold
+            the same bytes and is not checked).
+        dtype: the dtype of the trainer's target weights (``'float32'``), with ``base_checksum``.
     """
 
     step: int
@@ -64,6 +67,7 @@ class PolicyDelta:
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     shapes: dict[str, list[int]] = field(default_factory=dict)
     base_checksum: str | None = None
+    dtype: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +81,7 @@ class PolicyDelta:
         header = {
             "step": self.step, "projection_index": self.projection_index, "sync": self.sync,
             "decay": self.decay, "checksum": self.checksum, "metadata": self.metadata,
-            "shapes": self.shapes, "base_checksum": self.base_checksum,
+            "shapes": self.shapes, "base_checksum": self.base_checksum, "dtype": self.dtype,
         }
         tensors = {name: u.detach().contiguous().cpu() for name, u in self.factors.items()}
         tensors.update({_SCALE_KEY + name: c.detach().contiguous().cpu() for name, c in self.column_scales.items()})
@@ -222,7 +226,8 @@ def apply_delta(model: nn.Module, delta: PolicyDelta, config: LoGRAConfig) -> No
         for name, t in group.items():
             if t.numel() and not bool(torch.isfinite(t).all()):
                 raise DeltaMismatchError(f"delta's {kind} for {name} holds NaN/Inf")
-    if delta.base_checksum is not None:
+    same_dtype = all(str(params[n].dtype).removeprefix("torch.") == delta.dtype for n in delta.factors)
+    if delta.base_checksum is not None and same_dtype:
         held = weights_checksum(model, sorted(delta.factors))
         if held != delta.base_checksum:
             raise DeltaMismatchError(f"delta stream starts from other weights: the trainer started from "

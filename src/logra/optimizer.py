@@ -317,6 +317,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             step=self._step, projection_index=self.projector.index, sync=self.config.sync_fields(),
             factors=factors, decay=decay, column_scales=dict(self.projector.column_scales), dense=dense,
             shapes={n: [t.out_features, t.in_features] for n, t in targets.items()}, base_checksum=base,
+            dtype=str(next(iter(targets.values())).weight.dtype).removeprefix("torch.") if base else None,
         )
         self._stream_started = True
         self._step += 1
