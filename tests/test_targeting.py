@@ -165,3 +165,12 @@ def test_lora_adapts_exactly_the_layers_logra_sketches(patterns):
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=names, lora_dropout=0.0))
     adapted = [n.removeprefix("base_model.model.") for n, m in lora.named_modules() if hasattr(m, "lora_A")]
     assert adapted == names
+
+
+def test_the_default_config_targets_every_decoder_linear_and_the_optimizer_says_so():
+    """`LoGRAConfig()` targets OPT's out_proj/fc1/fc2 too, and `describe()` names the mode."""
+    from logra import LoGRAConfig, LoGRAOptimizer
+
+    opt = LoGRAOptimizer(_opt(), LoGRAConfig(rank=4, non_target="adamw"))
+    assert len(opt.targets) == 12 and any(n.endswith("fc2.weight") for n in opt.targets)
+    assert "left to non_target='adamw'" in opt.describe()

@@ -9,10 +9,10 @@ from typing import Any, Literal
 
 import torch
 
-#: The seven projection layers of the Llama / Qwen / Mistral family.
-DEFAULT_TARGETS: tuple[str, ...] = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-)
+#: Every 2-D ``nn.Linear`` weight inside the decoder blocks (`logra.sketch.DECODER_LINEAR`),
+#: fused or not; on Llama / Qwen / Mistral exactly q/k/v/o_proj and gate/up/down_proj, in
+#: that order.
+DEFAULT_TARGETS: tuple[str, ...] = ("decoder-linear",)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _CHOICES = {
@@ -56,9 +56,11 @@ class LoGRAConfig:
             switches to the plain learning rate ``lr``.
         lr: learning rate when ``update_ratio`` is None.
         weight_decay: decoupled weight decay (lr mode only), applied as ``W *= 1 - lr·wd``.
-        target_modules: module-name suffixes (``'q_proj'`` matches ``...self_attn.q_proj``)
-            or regular expressions (any entry with a regex metacharacter, matched with
-            ``re.search``) selecting the ``nn.Linear`` layers to sketch.
+        target_modules: the ``nn.Linear`` layers to sketch: ``'decoder-linear'`` (default:
+            every 2-D linear weight of the decoder blocks, fused ``qkv_proj`` / ``gate_up_proj``
+            / ``query_key_value`` / ``fc1`` included), module-name suffixes (``'q_proj'``
+            matches ``...self_attn.q_proj``) or regular expressions (any entry with a regex
+            metacharacter, matched with ``re.search``).
         non_target: what happens to every other parameter: ``'freeze'`` (paper: the
             low-rank deltas are the whole policy change), ``'adamw'`` (a native AdamW
             trains them) or ``'sketch'`` (lm_head and input embeddings are sketched too;

@@ -113,7 +113,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.model = model
         self._sketches = SketchSet(model, config.target_modules, config.rank, config.non_target == "sketch",
                                    input_statistics=config.column_scale == "input",
-                                   share_inputs=config.share_projections)
+                                   share_inputs=config.share_projections, non_target=config.non_target)
         targets = self._sketches.targets
         low_precision = [n for n, t in targets.items() if t.weight.dtype in (torch.bfloat16, torch.float16)]
         if low_precision:
@@ -182,6 +182,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """The projection ``A`` (``[r, in]`` fp32) currently in force for target ``name`` (a
         fresh tensor: Rademacher projections are stored as packed sign bits)."""
         return self._sketches.targets[name].projection
+
+    def describe(self) -> str:
+        """One line: what is sketched and which 2-D weights are left to ``non_target``
+        (logged once, at construction, on the ``logra.sketch`` logger)."""
+        return self._sketches.describe()
 
     def momenta(self) -> dict[str, torch.Tensor]:
         """Per target, its first moment ``[out, r]`` (views; empty without ``beta1``)."""
@@ -439,7 +444,7 @@ class DenseRowAdam(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, config: LoGRAConfig) -> None:
-        from .sketch import find_targets
+        from .sketch import check_materialized, find_targets
 
         if config.update_ratio is None:
             raise ValueError("DenseRowAdam needs LoGRAConfig.update_ratio")
@@ -451,6 +456,7 @@ class DenseRowAdam(torch.optim.Optimizer):
             raise ValueError("DenseRowAdam implements neither max_grad_norm nor second_moment='momentum' "
                              "(its second moment comes from the gradient, as Adam's): unset them")
         self.config = config
+        check_materialized(model)
         groups = find_targets(model, config.target_modules, config.non_target == "sketch")
         targets = []
         for modules in groups.values():
