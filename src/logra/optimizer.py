@@ -139,8 +139,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self._dense.param_groups[0]["name"] = "non_target_adamw"
             self.param_groups.append(self._dense.param_groups[0])
         # the stable names under which the dense part of each delta travels
-        self._dense_names = {id(p): stable_name(n) for n, p in model.named_parameters() if id(p) in
-                             {id(q) for q in rest}} if self._dense is not None else {}
+        dense_ids = {id(p) for p in self.dense_parameters()}
+        self._dense_names = {id(p): stable_name(n) for n, p in model.named_parameters() if id(p) in dense_ids}
         self._stream_started = False  # whether a delta with the starting weights' digest was made
         self._step = 0
         rows = self._sketches.sketch_rows
