@@ -2,7 +2,7 @@
 
 An `Updater` hides what kind of optimizer sits behind it (LoGRA, or any dense
 ``torch.optim`` optimizer: AdamW, LoRA adapters, `logra.optimizer.DenseRowAdam`) behind
-the four things an RL update does with it: sum its gradients over data-parallel ranks
+what an RL update does with it: sum its gradients over data-parallel ranks
 (`Updater.reduce`), propose a step, apply it scaled by ``α`` (returning the
 `PolicyDelta` for LoGRA), and clear the gradients. `controlled_step` is
 propose → predicted KL → ``α`` → apply → realised KL for any updater; the RL trainer,
@@ -25,6 +25,10 @@ from .optimizer import LoGRAOptimizer, Proposal
 
 class Updater(Protocol):
     """What an RL update needs from its optimizer."""
+
+    def check_ranks(self) -> None:
+        """Under data parallelism, before the first update: refuse ranks that would not
+        take identical steps."""
 
     def reduce(self) -> None:
         """Sum this update's gradients (or sketches) over the data-parallel ranks."""
@@ -50,6 +54,12 @@ class LoGRAUpdater:
 
     def __init__(self, optimizer: LoGRAOptimizer) -> None:
         self.optimizer = optimizer
+
+    def check_ranks(self) -> None:
+        """Every rank must draw the same projections (`logra.parallel.verify_projections`)."""
+        from .parallel import verify_projections
+
+        verify_projections(self.optimizer)
 
     def reduce(self) -> None:
         """All-reduce the sketch buffer (one collective)."""
@@ -84,6 +94,9 @@ class DenseUpdater:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
+
+    def check_ranks(self) -> None:
+        """Nothing to check: a dense step has no randomness of its own."""
 
     def reduce(self) -> None:
         """All-reduce the gradients, flattened into one buffer (one collective)."""

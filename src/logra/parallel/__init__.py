@@ -10,8 +10,9 @@ rollout workers in separate processes.
 
 docs/method.md §4: after an update the trainer sends the `PolicyDelta` (per target the factor
 ``U`` in bf16 plus seed information, ``out·r`` values instead of ``out·in``); a rollout
-worker rebuilds the projections from the seeds and merges it with `apply_delta`, the
-same code path as the trainer, so both hold bitwise the same weights.
+worker rebuilds the projections from the seeds and merges it with `apply_delta`, which
+draws each projection with the trainer's own builder (`logra.projection.build_projection`)
+and merges with the trainer's own `merge_update`, so both hold bitwise the same weights.
 
 Transport is ``torch.distributed`` point-to-point (``isend``/``irecv``; gloo on CPU over
 the process group's own TCP pairs, NCCL on GPU). The trainer and every worker are ranks

@@ -37,10 +37,10 @@ from tqdm.auto import tqdm
 from ..delta import weights_checksum
 from ..errors import ChecksumMismatchError
 from ..optimizer import LoGRAOptimizer
-from ..parallel import global_token_count, init_from_env, verify_projections
+from ..parallel import global_token_count, init_from_env
 from ..parallel.vllm import VLLMPolicy, make_engine
 from ..tasks import Problem, Task, is_correct
-from ..updater import LoGRAUpdater, controlled_step, make_updater
+from ..updater import controlled_step, make_updater
 from .build import build_optimizer, load_policy
 from .checkpoint import load_checkpoint, save_checkpoint
 from .collective import sum_over_ranks
@@ -96,8 +96,8 @@ class RLTrainer:
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if config.ref_kl_coef > 0 else None
         self.model, self.optimizer, self.scheduler = build_optimizer(config, model)
         self.updater = make_updater(self.model, self.optimizer)
-        if self.world > 1 and isinstance(self.updater, LoGRAUpdater):
-            verify_projections(self.optimizer)
+        if self.world > 1:
+            self.updater.check_ranks()
         torch.manual_seed(config.seed * 1_000 + self.rank)  # each rank samples its own responses
         self.workers = None
         if config.rollout_workers:
