@@ -58,6 +58,11 @@ RPC_METHODS = ("logra_configure", "logra_apply_delta", "logra_checksum", "logra_
 
 MODES = ("inplace", "shadow")
 
+#: A verified delta whose targets take at most this many bytes keeps the merged copies of
+#: its dry run and commits them by a copy; larger ones are merged a second time in place
+#: (bitwise the same result) so the dry run needs one target's temporary at a time.
+KEEP_MERGED_BYTES = 1 << 30
+
 
 def _module_of(fused_name: str) -> str:
     """The vLLM module that owns a fused parameter name (``...qkv_proj.weight`` → ``...qkv_proj``)."""
@@ -252,22 +257,39 @@ class LoGRAWorkerExtension:
         self._logra_verify(s, delta, dense)
         tensors = s["tensors"]
         names = sorted(delta.factors)
+        merged: dict[str, torch.Tensor] = {}
+        got = None
         if delta.checksum is not None:
-            # Dry run on temporaries, one target at a time: the engine stays untouched if it fails.
-            got = _digest((n, self._logra_merged(s, delta, n, copy=True)) for n in names)
+            # Dry run on temporaries: the engine stays untouched if the result is not the trainer's.
+            # Small enough targets keep their merged copies (committed by a copy, not a second merge).
+            keep = sum(tensors[n].numel() * tensors[n].element_size() for n in names) <= KEEP_MERGED_BYTES
+
+            def candidates() -> Iterator[tuple[str, torch.Tensor]]:
+                for n in names:
+                    out = self._logra_merged(s, delta, n, copy=True)
+                    if keep:
+                        merged[n] = out
+                    yield n, out
+
+            got = _digest(candidates())
             if got != delta.checksum:
                 raise ChecksumMismatchError(
                     f"update {delta.step}: merged target weights would have checksum {got}, the trainer's is "
                     f"{delta.checksum} (engine dtype {s['dtype']}); engine unchanged")
         with torch.no_grad():
             for n in names:
-                self._logra_merged(s, delta, n, copy=False)
+                if n not in merged:
+                    self._logra_merged(s, delta, n, copy=False)
+                elif s["mode"] == "shadow":
+                    tensors[n] = merged.pop(n)  # the shadow is ours: take the merged copy as it is
+                else:
+                    tensors[n].copy_(merged.pop(n))  # a view into vLLM's weights: write through it
             for n, t in dense.items():
                 tensors[n].copy_(t.to(tensors[n].dtype))
         if s["mode"] == "shadow":
             self._logra_push(s, list(delta.factors) + list(dense))
         s["step"] = delta.step + 1
-        return _digest((n, tensors[n]) for n in names)
+        return got if got is not None else _digest((n, tensors[n]) for n in names)
 
     def _logra_verify(self, s: dict[str, Any], delta: PolicyDelta, dense: dict[str, torch.Tensor]) -> None:
         """Every check of `logra_apply_delta` that can be made before merging."""
