@@ -28,6 +28,10 @@ from logra.parallel.vllm import (  # noqa: E402
 )
 from logra.projection import stable_name  # noqa: E402
 
+#: trainer and engine on the same device type (a GPU's GEMM rounds differently from a CPU's)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: on a GPU, two engines (fp32, bf16) share it with the trainer
+ENGINE_KW = {"gpu_memory_utilization": 0.25} if DEVICE == "cuda" else {}
 UPDATES = 20
 VOCAB = 97  # vLLM pads the vocabulary to 128: the padding rows must stay out of every merge
 #: fp32: |engine − HF forward| of prompt log-probs; measured 9.5e-7 before and after 20 updates
@@ -41,7 +45,7 @@ def tiny_policy(seed: int = 0) -> Qwen2ForCausalLM:
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       tie_word_embeddings=False)
-    return Qwen2ForCausalLM(cfg).float().eval()
+    return Qwen2ForCausalLM(cfg).float().eval().to(DEVICE)
 
 
 def held_out(n: int = 4, length: int = 24) -> list[list[int]]:
@@ -51,9 +55,9 @@ def held_out(n: int = 4, length: int = 24) -> list[list[int]]:
 
 @torch.no_grad()
 def hf_logprobs(model: torch.nn.Module, seqs: list[list[int]]) -> torch.Tensor:
-    ids = torch.tensor(seqs)
+    ids = torch.tensor(seqs, device=DEVICE)
     logp = torch.log_softmax(model(ids).logits.float(), -1)
-    return logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
 
 
 class Run:
@@ -67,7 +71,7 @@ class Run:
 
     def update(self) -> PolicyDelta:
         g = torch.Generator().manual_seed(self.i)
-        ids = torch.randint(1, VOCAB, (4, 16), generator=g)
+        ids = torch.randint(1, VOCAB, (4, 16), generator=g).to(DEVICE)
         self.model.train()
         self.model(input_ids=ids, labels=ids).loss.backward()
         delta = self.opt.apply(self.opt.propose())
@@ -86,12 +90,12 @@ def engines(tmp_path_factory):
     """Start each engine once: fp32 (prepacked on AVX2 CPUs: shadow mode) and bf16 (in place)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     folder = tmp_path_factory.mktemp("policy")
-    tiny_policy().save_pretrained(folder)
+    tiny_policy().cpu().save_pretrained(folder)
     made = {}
 
     def get(dtype: str):
         if dtype not in made:
-            made[dtype] = make_engine(str(folder), dtype=dtype)
+            made[dtype] = make_engine(str(folder), dtype=dtype, **ENGINE_KW)
         return made[dtype]
 
     yield get, folder
@@ -160,7 +164,7 @@ def test_fp32_engine_follows_20_updates_refuses_bad_deltas_and_resyncs(engines, 
 def test_bf16_engine_equals_a_bf16_copy_after_every_update(engines):
     get, _ = engines
     run = Run(non_target="adamw")
-    copy_ = copy.deepcopy(tiny_policy()).to(torch.bfloat16)
+    copy_ = copy.deepcopy(tiny_policy()).to(torch.bfloat16)  # what the engine should hold, bit for bit
     engine = VLLMPolicy(get("bfloat16"), run.config, model=run.model, optimizer=run.opt)
     assert engine.info["mode"] == "inplace" and engine.info["shadow_bytes"] == 0
     assert engine.checksum() == weights_checksum(copy_, sorted(run.opt._sketches.targets))
