@@ -161,8 +161,8 @@ def test_fp32_engine_follows_20_updates_refuses_bad_deltas_and_resyncs(engines, 
     engine.resync(str(folder), 0)  # back to the saved initial policy for the next test
 
 
-def test_bf16_engine_equals_a_bf16_copy_after_every_update(engines):
-    get, _ = engines
+def test_bf16_engine_equals_a_bf16_copy_after_every_update(engines, tmp_path):
+    get, folder = engines
     run = Run(non_target="adamw")
     copy_ = copy.deepcopy(tiny_policy()).to(torch.bfloat16)  # what the engine should hold, bit for bit
     engine = VLLMPolicy(get("bfloat16"), run.config, model=run.model, optimizer=run.opt)
@@ -185,3 +185,11 @@ def test_bf16_engine_equals_a_bf16_copy_after_every_update(engines):
     print(f"bf16 in place: max |Δlogprob| vs bf16 HF copy per update {diffs}")
     assert max(diffs) < BF16_TOL
     assert (torch.tensor(engine.prompt_logprobs(seqs)) - before).abs().max() > 5 * BF16_TOL
+    # a full load rewrites vLLM's tensors under the in-place views, which must stay live
+    copy_.save_pretrained(tmp_path / "bf16")
+    assert engine.resync(str(tmp_path / "bf16"), UPDATES) == weights_checksum(copy_, sorted(delta.factors))
+    delta = run.update()
+    apply_delta(copy_, delta, run.config)
+    engine.apply(delta, run.dense(torch.bfloat16))
+    assert engine.checksum() == weights_checksum(copy_, sorted(delta.factors))
+    engine.resync(str(folder), 0)

@@ -143,14 +143,16 @@ class VLLMPolicy:
         """The policy step the engine holds (asked from the engine)."""
         return json.loads(self._call("logra_info"))["step"]
 
-    def apply(self, delta: PolicyDelta, dense: dict[str, torch.Tensor] | None = None) -> str:
-        """Send one update (and the HF-named ``dense`` tensors after it); the engine's checksum.
+    def apply(self, delta: PolicyDelta, dense: dict[str, torch.Tensor] | None = None, checksum: bool = True) -> str:
+        """Send one update (and the HF-named ``dense`` tensors after it); the engine's checksum
+        (``""`` with ``checksum=False`` when the delta carries none: the engine then skips hashing).
 
-        Raises what `LoGRAWorkerExtension.logra_apply_delta` raises (the engine is then unchanged).
+        Raises what `LoGRAWorkerExtension.logra_apply_delta` raises (the engine is then unchanged;
+        in vLLM's multi-process mode the error arrives wrapped by vLLM).
         """
         dense_bytes = st_save({n: t.detach().contiguous().cpu() for n, t in dense.items()}) if dense else b""
         try:
-            return self._call("logra_apply_delta", delta.to_bytes(), dense_bytes)
+            return self._call("logra_apply_delta", delta.to_bytes(), dense_bytes, checksum)
         finally:
             self._weights_changed()
 
@@ -166,13 +168,14 @@ class VLLMPolicy:
         the trainer's dtype, so a mismatch is refused in the engine. Returns metrics.
         """
         t0 = time.perf_counter()
-        if self.comparable and self.verify_every and delta.step % self.verify_every == 0:
+        verify = self.comparable and bool(self.verify_every) and delta.step % self.verify_every == 0
+        if verify:
             delta = dataclasses.replace(delta, checksum=weights_checksum(self.model, sorted(delta.factors)))
         dense = None
         if self.dense_names:
             params = {stable_name(n): p for n, p in self.model.named_parameters()}
             dense = {n: params[n].to(self.dtype) for n in self.dense_names}
-        self.apply(delta, dense)
+        self.apply(delta, dense, checksum=False)  # verified deltas come back checked; others are not hashed
         dense_bytes = sum(t.numel() * t.element_size() for t in (dense or {}).values())
         return {"sync_bytes": delta.nbytes + dense_bytes, "time_sync": time.perf_counter() - t0}
 

@@ -231,7 +231,7 @@ class LoGRAWorkerExtension:
         return _digest((n, s["tensors"][n]) for n in s["targets"] if n in s["tensors"])
 
     # ------------------------------------------------------------ rpc: deltas
-    def logra_apply_delta(self, delta_bytes: bytes, dense_bytes: bytes = b"") -> str:
+    def logra_apply_delta(self, delta_bytes: bytes, dense_bytes: bytes = b"", checksum: bool = True) -> str:
         """Verify and merge the next update; return the checksum of the merged target weights.
 
         Args:
@@ -240,6 +240,9 @@ class LoGRAWorkerExtension:
                 dtype), the merged weights must match it.
             dense_bytes: safetensors bytes of the densely trained non-target tensors after
                 the update (``non_target='adamw'``/``'sketch'``), HF names; empty if none.
+            checksum: return the checksum of the merged weights even when the delta carries
+                none; False returns ``""`` then (hashing costs about as much as the merge:
+                0.9 s of 2.7 s at the 0.5B shape in bf16 on this CPU).
 
         Raises:
             NeedsResyncError: not configured, or a failed full load; call `logra_load_full`.
@@ -289,7 +292,9 @@ class LoGRAWorkerExtension:
         if s["mode"] == "shadow":
             self._logra_push(s, list(delta.factors) + list(dense))
         s["step"] = delta.step + 1
-        return got if got is not None else _digest((n, tensors[n]) for n in names)
+        if got is None and checksum:
+            got = _digest((n, tensors[n]) for n in names)
+        return got or ""
 
     def _logra_verify(self, s: dict[str, Any], delta: PolicyDelta, dense: dict[str, torch.Tensor]) -> None:
         """Every check of `logra_apply_delta` that can be made before merging."""
