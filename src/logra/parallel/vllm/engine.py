@@ -156,8 +156,6 @@ class LoGRAWorkerExtension:
             # oneDNN prepacking leaves an empty `.weight` behind; edits to it would do nothing
             prepacked |= tuple(p.shape) != slot.fused_shape
         previous = getattr(self, "_logra", None)
-        keep_shadow = (previous is not None and previous["mode"] == "shadow" and prepacked
-                       and previous["config"].to_dict() == config.to_dict())
         state: dict[str, Any] = {
             "config": config, "layout": layout, "targets": targets, "dense": dense, "shapes": shapes,
             "step": step, "needs_resync": False, "mode": "shadow" if prepacked else "inplace",
@@ -165,16 +163,20 @@ class LoGRAWorkerExtension:
         }
         if prepacked:
             state["modules"] = self._logra_modules(layout, targets + dense, shapes)
-            if keep_shadow:  # the shadow already mirrors the engine (deltas applied since the last full load)
-                state["tensors"] = previous["tensors"]
-            else:
+            names = [n for names in state["modules"].values() for n in names]
+            # A shadow from an earlier configuration mirrors the engine (deltas and full loads
+            # since went through it): keep it. Only tensors it lacks come from the last full
+            # load on disk (the model folder at start).
+            kept = previous["tensors"] if previous is not None and previous["mode"] == "shadow" else {}
+            tensors = {n: kept[n] for n in names if n in kept}
+            if len(tensors) < len(names):
                 source = getattr(self, "_logra_source", None) or self.model_runner.model_config.model  # type: ignore
                 full = read_state(source)
-                names = [n for names in state["modules"].values() for n in names]
-                missing = [n for n in names if n not in full]
+                missing = [n for n in names if n not in tensors and n not in full]
                 if missing:
                     raise LayoutError(f"the engine's weights at {source} lack {missing[0]}")
-                state["tensors"] = {n: full[n].to(state["dtype"]).clone() for n in names}
+                tensors.update({n: full[n].to(state["dtype"]).clone() for n in names if n not in tensors})
+            state["tensors"] = tensors
         else:
             state["tensors"] = self._logra_views(layout, targets + dense, shapes, params)
         self._logra = state
