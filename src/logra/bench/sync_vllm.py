@@ -144,9 +144,10 @@ def main(args: argparse.Namespace) -> int:
         full_s, delta_s = _median(r["full_s"]), _median(r["delta_s"])
         r_over_in = args.rank / SHAPES[r["shape"]]["hidden"]  # the smallest input size is the hidden size
         equal = "n/a (bf16 engine)" if not r["equal"] else f"{sum(r['equal'])}/{len(r['equal'])}"
+        verified = f"{_median(r['verified_s']):.3f}" if r["verified_s"] else "n/a"
         print(f"| {r['shape']} | {r['params'] / 1e6:.1f}M | {r['dtype']} | {r['mode']} | "
               f"{r['shadow_bytes'] / 2**20:.1f} MiB | {full_b / 2**20:.1f} MiB | {full_s:.3f} | "
-              f"{delta_b / 2**20:.2f} MiB | {delta_s:.3f} | {_median(r['verified_s']):.3f} | "
+              f"{delta_b / 2**20:.2f} MiB | {delta_s:.3f} | {verified} | "
               f"{delta_b / full_b:.2%} | {r_over_in:.2%} | "
               f"{delta_s / full_s:.2f} | {equal} |")
         checks.append((f"{r['shape']} {r['dtype']}: delta bytes ≤ r/in of a full reload",
