@@ -68,8 +68,7 @@ class VLLMPolicy:
         step: the policy step the engine's weights hold now (0: the saved initial policy).
         model: the trainer's HF model (optional). With it, `publish` sends the densely
             trained non-target tensors with each delta and attaches the trainer's checksum
-            when the engine holds the trainer's dtype, and the constructor checks that the
-            engine starts from the trainer's weights.
+            when the engine holds the trainer's dtype; `verify` compares the two.
         optimizer: the trainer's `LoGRAOptimizer` (its ``dense_parameters()`` travel densely).
         verify_every: attach the trainer's checksum to every k-th delta (0 = never).
 
@@ -86,6 +85,7 @@ class VLLMPolicy:
         ids = {id(p) for p in optimizer.dense_parameters()} if optimizer is not None else set()
         self.dense_names = [stable_name(n) for n, p in (model.named_parameters() if model is not None else ())
                             if id(p) in ids]
+        self._target_names = self._targets() if model is not None else []
         self._call("logra_configure", json.dumps(config.to_dict()), step)
         self.info = json.loads(self._call("logra_info"))
         self.dtype: torch.dtype = getattr(torch, self.info["dtype"])
@@ -130,13 +130,13 @@ class VLLMPolicy:
         if self.model is None:
             return False
         params = {stable_name(n): p for n, p in self.model.named_parameters()}
-        return all(params[n].dtype == self.dtype for n in self._targets())
+        return all(params[n].dtype == self.dtype for n in self._target_names)
 
     def trainer_checksum(self) -> str:
         """`weights_checksum` of the trainer model's target weights (needs ``model``)."""
         if self.model is None:
             raise ValueError("VLLMPolicy was built without the trainer's model")
-        return weights_checksum(self.model, self._targets())
+        return weights_checksum(self.model, self._target_names)
 
     @property
     def step(self) -> int:
