@@ -73,7 +73,11 @@ def test_grpo_on_a_colocated_engine_kept_equal_by_deltas(tmp_path):
         logra_config=LoGRAConfig(rank=16, update_ratio=1e-2, non_target="adamw"),
         kl_controller=KLController(budget=1e-4, schedule="constant"), callbacks=[check])
     check.trainer = trainer
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        trainer.shutdown_vllm()
+    assert not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ
     assert [s for s, _, _ in check.seen] == [1, 2, 3]
     assert all(engine == trainer_ for _, engine, trainer_ in check.seen)
     assert len({c for _, c, _ in check.seen}) == 3  # the weights moved every step

@@ -25,6 +25,7 @@ from logra.parallel.vllm import (  # noqa: E402
     DeltaGapError,
     VLLMPolicy,
     make_engine,
+    shutdown_engine,
 )
 from logra.projection import stable_name  # noqa: E402
 
@@ -101,8 +102,8 @@ def engines(tmp_path_factory):
         return made[dtype, tie]
 
     yield get, folder
-    for llm in made.values():
-        llm.llm_engine.engine_core.shutdown()
+    for llm in reversed(list(made.values())):  # the first one created the process group: last
+        shutdown_engine(llm)
 
 
 def test_fp32_engine_follows_20_updates_refuses_bad_deltas_and_resyncs(engines, tmp_path):

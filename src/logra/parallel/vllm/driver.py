@@ -54,9 +54,41 @@ def make_engine(model_dir: str, dtype: str = "float32", seed: int = 0, max_model
         kwargs.setdefault("distributed_executor_backend", "uni")
     vllm = require("vllm")
     kwargs.setdefault("enforce_eager", True)
-    return vllm.LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
-                    skip_tokenizer_init=True, worker_extension_cls=EXTENSION,
-                    logprobs_mode="processed_logprobs", **kwargs)
+    return track_process_group(lambda: vllm.LLM(
+        model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len, skip_tokenizer_init=True,
+        worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs", **kwargs))
+
+
+_OWNS_DIST = "_logra_owns_process_group"
+
+
+def track_process_group(build: Any) -> Any:
+    """``build()`` an ``LLM``, noting whether its in-process worker created this process's
+    default torch.distributed group (vLLM's ``uni`` executor does), for `shutdown_engine`."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    llm = build()
+    setattr(llm, _OWNS_DIST, not before and dist.is_available() and dist.is_initialized())
+    return llm
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Stop an engine; if it created this process's torch.distributed group, destroy that too.
+
+    An in-process engine leaves vLLM's (world-size-1) process group behind after its core
+    shuts down, and code that later checks ``torch.distributed.is_initialized()`` (data
+    parallelism, rollout workers, HF's TrainingArguments) would take it for its own. Close
+    the engine that created the group last when several share one process.
+    """
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    if getattr(llm, _OWNS_DIST, False):
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+        setattr(llm, _OWNS_DIST, False)
 
 
 class VLLMPolicy:
@@ -224,8 +256,7 @@ class VLLMPolicy:
                 for o, s in zip(outs, sequences, strict=True)]
 
     def close(self) -> None:
-        """Shut the engine down (frees its memory)."""
-        shutdown = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-        if shutdown is not None and hasattr(shutdown, "shutdown"):
-            shutdown.shutdown()
+        """Shut the engine down (frees its memory; see `shutdown_engine`)."""
+        if self.llm is not None:
+            shutdown_engine(self.llm)
         self.llm = None
