@@ -53,9 +53,10 @@ class EngineEqualsTrainer(TrainerCallback):
 
 def _args(out: Path, **kw) -> GRPOConfig:
     base = dict(output_dir=str(out), max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                num_generations=4, max_completion_length=6, logging_steps=1, bf16=False, use_cpu=True, report_to=[],
-                disable_tqdm=True, save_strategy="no", seed=0, max_grad_norm=0.0, use_vllm=True,
-                vllm_mode="colocate", vllm_max_model_length=64)
+                num_generations=4, max_completion_length=6, logging_steps=1, bf16=False,
+                use_cpu=not torch.cuda.is_available(), report_to=[], disable_tqdm=True, save_strategy="no", seed=0,
+                max_grad_norm=0.0, use_vllm=True,
+                vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.3)
     base.update(kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -72,7 +73,11 @@ def test_grpo_on_a_colocated_engine_kept_equal_by_deltas(tmp_path):
         logra_config=LoGRAConfig(rank=16, update_ratio=1e-2, non_target="adamw"),
         kl_controller=KLController(budget=1e-4, schedule="constant"), callbacks=[check])
     check.trainer = trainer
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        trainer.shutdown_vllm()
+    assert not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ
     assert [s for s, _, _ in check.seen] == [1, 2, 3]
     assert all(engine == trainer_ for _, engine, trainer_ in check.seen)
     assert len({c for _, c, _ in check.seen}) == 3  # the weights moved every step

@@ -25,9 +25,14 @@ from logra.parallel.vllm import (  # noqa: E402
     DeltaGapError,
     VLLMPolicy,
     make_engine,
+    shutdown_engine,
 )
 from logra.projection import stable_name  # noqa: E402
 
+#: trainer and engine on the same device type (a GPU's GEMM rounds differently from a CPU's)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: on a GPU, two engines (fp32, bf16) share it with the trainer
+ENGINE_KW = {"gpu_memory_utilization": 0.25} if DEVICE == "cuda" else {}
 UPDATES = 20
 VOCAB = 97  # vLLM pads the vocabulary to 128: the padding rows must stay out of every merge
 #: fp32: |engine − HF forward| of prompt log-probs; measured 9.5e-7 before and after 20 updates
@@ -36,12 +41,12 @@ FP32_TOL = 1e-5
 BF16_TOL = 2e-2
 
 
-def tiny_policy(seed: int = 0) -> Qwen2ForCausalLM:
+def tiny_policy(seed: int = 0, tie: bool = False) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    return Qwen2ForCausalLM(cfg).float().eval()
+                      tie_word_embeddings=tie)
+    return Qwen2ForCausalLM(cfg).float().eval().to(DEVICE)
 
 
 def held_out(n: int = 4, length: int = 24) -> list[list[int]]:
@@ -51,23 +56,23 @@ def held_out(n: int = 4, length: int = 24) -> list[list[int]]:
 
 @torch.no_grad()
 def hf_logprobs(model: torch.nn.Module, seqs: list[list[int]]) -> torch.Tensor:
-    ids = torch.tensor(seqs)
+    ids = torch.tensor(seqs, device=DEVICE)
     logp = torch.log_softmax(model(ids).logits.float(), -1)
-    return logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
 
 
 class Run:
     """A real LoGRA run on the HF policy: backward fills sketches, `apply` returns the delta."""
 
-    def __init__(self, **cfg) -> None:
-        self.model = tiny_policy()
+    def __init__(self, tie: bool = False, **cfg) -> None:
+        self.model = tiny_policy(tie=tie)
         self.config = LoGRAConfig(rank=16, update_ratio=2e-2, **cfg)
         self.opt = LoGRAOptimizer(self.model, self.config)
         self.i = 0
 
     def update(self) -> PolicyDelta:
         g = torch.Generator().manual_seed(self.i)
-        ids = torch.randint(1, VOCAB, (4, 16), generator=g)
+        ids = torch.randint(1, VOCAB, (4, 16), generator=g).to(DEVICE)
         self.model.train()
         self.model(input_ids=ids, labels=ids).loss.backward()
         delta = self.opt.apply(self.opt.propose())
@@ -86,17 +91,19 @@ def engines(tmp_path_factory):
     """Start each engine once: fp32 (prepacked on AVX2 CPUs: shadow mode) and bf16 (in place)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     folder = tmp_path_factory.mktemp("policy")
-    tiny_policy().save_pretrained(folder)
+    tiny_policy().cpu().save_pretrained(folder)
+    tied = tmp_path_factory.mktemp("tied")
+    tiny_policy(tie=True).cpu().save_pretrained(tied)
     made = {}
 
-    def get(dtype: str):
-        if dtype not in made:
-            made[dtype] = make_engine(str(folder), dtype=dtype)
-        return made[dtype]
+    def get(dtype: str, tie: bool = False):
+        if (dtype, tie) not in made:
+            made[dtype, tie] = make_engine(str(tied if tie else folder), dtype=dtype, **ENGINE_KW)
+        return made[dtype, tie]
 
     yield get, folder
-    for llm in made.values():
-        llm.llm_engine.engine_core.shutdown()
+    for llm in reversed(list(made.values())):  # the first one created the process group: last
+        shutdown_engine(llm)
 
 
 def test_fp32_engine_follows_20_updates_refuses_bad_deltas_and_resyncs(engines, tmp_path):
@@ -157,10 +164,10 @@ def test_fp32_engine_follows_20_updates_refuses_bad_deltas_and_resyncs(engines, 
     engine.resync(str(folder), 0)  # back to the saved initial policy for the next test
 
 
-def test_bf16_engine_equals_a_bf16_copy_after_every_update(engines):
-    get, _ = engines
+def test_bf16_engine_equals_a_bf16_copy_after_every_update(engines, tmp_path):
+    get, folder = engines
     run = Run(non_target="adamw")
-    copy_ = copy.deepcopy(tiny_policy()).to(torch.bfloat16)
+    copy_ = copy.deepcopy(tiny_policy()).to(torch.bfloat16)  # what the engine should hold, bit for bit
     engine = VLLMPolicy(get("bfloat16"), run.config, model=run.model, optimizer=run.opt)
     assert engine.info["mode"] == "inplace" and engine.info["shadow_bytes"] == 0
     assert engine.checksum() == weights_checksum(copy_, sorted(run.opt._sketches.targets))
@@ -181,3 +188,34 @@ def test_bf16_engine_equals_a_bf16_copy_after_every_update(engines):
     print(f"bf16 in place: max |Δlogprob| vs bf16 HF copy per update {diffs}")
     assert max(diffs) < BF16_TOL
     assert (torch.tensor(engine.prompt_logprobs(seqs)) - before).abs().max() > 5 * BF16_TOL
+    # a full load rewrites vLLM's tensors under the in-place views, which must stay live
+    copy_.save_pretrained(tmp_path / "bf16")
+    assert engine.resync(str(tmp_path / "bf16"), UPDATES) == weights_checksum(copy_, sorted(delta.factors))
+    delta = run.update()
+    apply_delta(copy_, delta, run.config)
+    engine.apply(delta, run.dense(torch.bfloat16))
+    assert engine.checksum() == weights_checksum(copy_, sorted(delta.factors))
+    engine.resync(str(folder), 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tied_embeddings_reach_the_logits(engines, dtype):
+    """A tied lm_head is its own vLLM module with its own packed GEMM copy on a CPU: updates of
+    the shared embedding must reach the logits (they did not before `_logra_repack`: 0.58 nats)."""
+    get, _ = engines
+    run = Run(tie=True, non_target="adamw", non_target_lr=1e-2)  # the embedding moves densely, fast
+    ref = copy.deepcopy(tiny_policy(tie=True)).to(getattr(torch, dtype))
+    engine = VLLMPolicy(get(dtype, tie=True), run.config, model=run.model, optimizer=run.opt)
+    seqs = held_out()
+    diffs = []
+    for _ in range(4):
+        delta = run.update()
+        apply_delta(ref, delta, run.config)
+        dense = run.dense(ref.dtype)
+        params = dict(ref.named_parameters())
+        for n, t in dense.items():
+            params[n].data.copy_(t)
+        engine.apply(delta, dense)
+        diffs.append(float((torch.tensor(engine.prompt_logprobs(seqs)) - hf_logprobs(ref, seqs)).abs().max()))
+    print(f"tied {dtype}: max |Δlogprob| per update {diffs}")
+    assert max(diffs) < (FP32_TOL if dtype == "float32" else BF16_TOL)

@@ -76,5 +76,6 @@ def test_train_on_a_vllm_engine_and_resume(tmp_path):
     resumed.train()
     last = [r for r in _rows(tmp_path / "run") if r["kind"] == "train"][-1]
     assert last["update"] == 3 and last["mismatch_kl"] < 1e-9
+    assert not torch.distributed.is_initialized()  # the engine's process group went with it
     with pytest.raises(ValueError, match="rollout_engine='vllm'"):
         RLConfig(rollout_engine="vllm", optimizer="adamw")

@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and sketches")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the two processes are killed")
     p.add_argument("--json", type=Path, default=None, help="also write the raw measurements to this JSON file")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="receiver: 'hf' (a second process holding HF weights, gloo; the tables above) or 'vllm' "
+                        "(a running vLLM engine in this process: full reload vs LoGRA delta, fp32 and bf16; "
+                        "see logra.bench.sync_vllm)")
+    from .sync_vllm import add_arguments
+
+    add_arguments(p)
     return p
 
 
@@ -308,6 +315,10 @@ def _end_to_end(results: list[dict[str, Any]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table; returns 0 when every target passes, 1 otherwise."""
     args = _parser().parse_args(argv)
+    if args.engine == "vllm":
+        from .sync_vllm import main as vllm_main
+
+        return vllm_main(args)
     shapes = [s.strip().lower() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:

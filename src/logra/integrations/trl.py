@@ -111,7 +111,7 @@ from ..config import LoGRAConfig
 from ..errors import SyncError
 from ..kl import KLControlConfig, KLController
 from ..parallel import allreduce_sketches, sum_over_ranks, verify_projections
-from ..parallel.vllm import EXTENSION, VLLMPolicy
+from ..parallel.vllm import EXTENSION, VLLMPolicy, shutdown_engine, track_process_group
 from . import STAT_KEYS, KLControlledLoGRA
 
 if TYPE_CHECKING:
@@ -192,13 +192,21 @@ def _logra_engine(args: GRPOConfig, model: Any) -> Iterator[None]:
         if not torch.cuda.is_available():
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             kw["distributed_executor_backend"] = "uni"
-        return original(*a, **kw)
+        return track_process_group(lambda: original(*a, **kw))
 
+    # TRL exports RANK/WORLD_SIZE/MASTER_* for vLLM; left behind, they make later HF
+    # TrainingArguments in this process believe they run distributed.
+    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     module.LLM = build
     try:
         yield
     finally:
         module.LLM = original
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _plain_data_parallel(accelerator: Accelerator) -> bool:
@@ -389,6 +397,14 @@ class LoGRAGRPOTrainer(GRPOTrainer):
                 self._engine.verify()
         elif self._engine.step != opt.num_updates:
             raise SyncError(f"the vLLM engine holds update {self._engine.step}, the trainer {opt.num_updates}")
+
+    def shutdown_vllm(self) -> None:
+        """Stop the colocated engine and the process group it created (`shutdown_engine`);
+        call it when the process goes on after training. Generation needs a new trainer."""
+        if self.use_vllm and getattr(self.vllm_generation, "llm", None) is not None:
+            shutdown_engine(self.vllm_generation.llm)
+            self.vllm_generation.llm = None
+            self._engine = None
 
     def _publish_delta(self, stats: dict[str, float]) -> None:
         if self._engine is None:

@@ -12,7 +12,7 @@ weights, and verifies step order and checksums like `logra.parallel`'s rollout w
 """
 
 from ...errors import ChecksumMismatchError, DeltaGapError, LayoutError, NeedsResyncError
-from .driver import EXTENSION, VLLMPolicy, make_engine
+from .driver import EXTENSION, VLLMPolicy, make_engine, shutdown_engine, track_process_group
 from .engine import LoGRAWorkerExtension
 from .layout import DEFAULT_VOCAB_PADDING, FusedLayout, Slot, copy_into_fused, fuse_state_dict
 from .receiver import STRATEGIES, FusedReceiver, apply_delta_fused, expected_fused_checksum, fused_checksum
@@ -21,5 +21,5 @@ __all__ = [
     "DEFAULT_VOCAB_PADDING", "EXTENSION", "STRATEGIES", "ChecksumMismatchError", "DeltaGapError", "FusedLayout",
     "FusedReceiver", "LayoutError", "LoGRAWorkerExtension", "NeedsResyncError", "Slot", "VLLMPolicy",
     "apply_delta_fused", "copy_into_fused", "expected_fused_checksum", "fuse_state_dict", "fused_checksum",
-    "make_engine",
+    "make_engine", "shutdown_engine", "track_process_group",
 ]

@@ -54,9 +54,41 @@ def make_engine(model_dir: str, dtype: str = "float32", seed: int = 0, max_model
         kwargs.setdefault("distributed_executor_backend", "uni")
     vllm = require("vllm")
     kwargs.setdefault("enforce_eager", True)
-    return vllm.LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
-                    skip_tokenizer_init=True, worker_extension_cls=EXTENSION,
-                    logprobs_mode="processed_logprobs", **kwargs)
+    return track_process_group(lambda: vllm.LLM(
+        model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len, skip_tokenizer_init=True,
+        worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs", **kwargs))
+
+
+_OWNS_DIST = "_logra_owns_process_group"
+
+
+def track_process_group(build: Any) -> Any:
+    """``build()`` an ``LLM``, noting whether its in-process worker created this process's
+    default torch.distributed group (vLLM's ``uni`` executor does), for `shutdown_engine`."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    llm = build()
+    setattr(llm, _OWNS_DIST, not before and dist.is_available() and dist.is_initialized())
+    return llm
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Stop an engine; if it created this process's torch.distributed group, destroy that too.
+
+    An in-process engine leaves vLLM's (world-size-1) process group behind after its core
+    shuts down, and code that later checks ``torch.distributed.is_initialized()`` (data
+    parallelism, rollout workers, HF's TrainingArguments) would take it for its own. Close
+    the engine that created the group last when several share one process.
+    """
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    if getattr(llm, _OWNS_DIST, False):
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+        setattr(llm, _OWNS_DIST, False)
 
 
 class VLLMPolicy:
@@ -68,8 +100,7 @@ class VLLMPolicy:
         step: the policy step the engine's weights hold now (0: the saved initial policy).
         model: the trainer's HF model (optional). With it, `publish` sends the densely
             trained non-target tensors with each delta and attaches the trainer's checksum
-            when the engine holds the trainer's dtype, and the constructor checks that the
-            engine starts from the trainer's weights.
+            when the engine holds the trainer's dtype; `verify` compares the two.
         optimizer: the trainer's `LoGRAOptimizer` (its ``dense_parameters()`` travel densely).
         verify_every: attach the trainer's checksum to every k-th delta (0 = never).
 
@@ -86,6 +117,7 @@ class VLLMPolicy:
         ids = {id(p) for p in optimizer.dense_parameters()} if optimizer is not None else set()
         self.dense_names = [stable_name(n) for n, p in (model.named_parameters() if model is not None else ())
                             if id(p) in ids]
+        self._target_names = self._targets() if model is not None else []
         self._call("logra_configure", json.dumps(config.to_dict()), step)
         self.info = json.loads(self._call("logra_info"))
         self.dtype: torch.dtype = getattr(torch, self.info["dtype"])
@@ -130,28 +162,31 @@ class VLLMPolicy:
         if self.model is None:
             return False
         params = {stable_name(n): p for n, p in self.model.named_parameters()}
-        return all(params[n].dtype == self.dtype for n in self._targets())
+        return all(params[n].dtype == self.dtype for n in self._target_names)
 
     def trainer_checksum(self) -> str:
         """`weights_checksum` of the trainer model's target weights (needs ``model``)."""
         if self.model is None:
             raise ValueError("VLLMPolicy was built without the trainer's model")
-        return weights_checksum(self.model, self._targets())
+        return weights_checksum(self.model, self._target_names)
 
     @property
     def step(self) -> int:
         """The policy step the engine holds (asked from the engine)."""
         return json.loads(self._call("logra_info"))["step"]
 
-    def apply(self, delta: PolicyDelta, dense: dict[str, torch.Tensor] | None = None) -> str:
-        """Send one update (and the HF-named ``dense`` tensors after it); the engine's checksum.
+    def apply(self, delta: PolicyDelta, dense: dict[str, torch.Tensor] | None = None, checksum: bool = True) -> str:
+        """Send one update (and the HF-named ``dense`` tensors after it); the engine's checksum
+        (``""`` with ``checksum=False`` when the delta carries none: the engine then skips hashing).
 
-        Raises what `LoGRAWorkerExtension.logra_apply_delta` raises (the engine is then unchanged).
+        Raises what `LoGRAWorkerExtension.logra_apply_delta` raises (the engine is then unchanged;
+        in vLLM's multi-process mode the error arrives wrapped by vLLM).
         """
         dense = delta.dense if dense is None else dense
         dense_bytes = st_save({n: t.detach().contiguous().cpu() for n, t in dense.items()}) if dense else b""
         try:  # the dense part travels as its own bytes, in the engine's dtype
-            return self._call("logra_apply_delta", dataclasses.replace(delta, dense={}).to_bytes(), dense_bytes)
+            return self._call("logra_apply_delta", dataclasses.replace(delta, dense={}).to_bytes(), dense_bytes,
+                              checksum)
         finally:
             self._weights_changed()
 
@@ -167,11 +202,12 @@ class VLLMPolicy:
         the trainer's dtype, so a mismatch is refused in the engine. Returns metrics.
         """
         t0 = time.perf_counter()
-        if self.comparable and self.verify_every and delta.step % self.verify_every == 0:
+        verify = self.comparable and bool(self.verify_every) and delta.step % self.verify_every == 0
+        if verify:
             delta = dataclasses.replace(delta, checksum=weights_checksum(self.model, sorted(delta.factors)))
         low_rank = dataclasses.replace(delta, dense={})
         dense = {n: t.to(self.dtype) for n, t in delta.dense.items()}  # the delta's dense part
-        self.apply(low_rank, dense)
+        self.apply(low_rank, dense, checksum=False)  # verified deltas come back checked; others are not hashed
         dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
         return {"sync_bytes": low_rank.nbytes + dense_bytes, "time_sync": time.perf_counter() - t0}
 
@@ -220,8 +256,7 @@ class VLLMPolicy:
                 for o, s in zip(outs, sequences, strict=True)]
 
     def close(self) -> None:
-        """Shut the engine down (frees its memory)."""
-        shutdown = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-        if shutdown is not None and hasattr(shutdown, "shutdown"):
-            shutdown.shutdown()
+        """Shut the engine down (frees its memory; see `shutdown_engine`)."""
+        if self.llm is not None:
+            shutdown_engine(self.llm)
         self.llm = None
