@@ -3,9 +3,11 @@
 Refactors of the core must not change a single bit of what the optimizer computes. The
 digests in ``bitwise_hashes.json`` were recorded with the code as it was before the
 functional core (issue 19) and are checked against the code as it is now. Float results
-depend on the kernels torch picks for this CPU, so the digests are keyed by platform
-(torch version and CPU capability); on a platform with no record the test skips, saying
-how to record one (``python tests/test_bitwise.py --record``, on code known to be right).
+depend on the kernels torch picks for this CPU and on transformers' model code, so the
+digests are keyed by platform (torch, transformers and reasoning-gym versions, CPU
+capability); on a platform with no record the test skips, saying how to record one
+(``python tests/test_bitwise.py --record``, on code known to be right: a commit before
+the change under test).
 """
 
 from __future__ import annotations
@@ -57,7 +59,14 @@ DENSE_CONFIGS: dict[str, dict] = {
 
 
 def _platform() -> str:
-    return f"torch-{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}"
+    """What the bits depend on: torch's kernels for this CPU, transformers' model code and
+    initialisation, and reasoning-gym's problems (the `logra train` row)."""
+    import importlib.metadata
+
+    import transformers
+
+    return (f"torch-{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}-transformers-"
+            f"{transformers.__version__}-reasoning-gym-{importlib.metadata.version('reasoning-gym')}")
 
 
 def logra_digest(options: dict) -> str:
