@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from logra.tasks import Problem, Task
+
 torch.set_num_threads(2)
 
 
@@ -86,3 +88,19 @@ def resumed_run(cfg, tmp_path, before: int, after: int):
     for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
     return (model, opt), (fresh, opt2)
+
+
+class VowelTask(Task):
+    """Reward = fraction of response characters that are 'a': dense, so a random policy gets
+    varied rewards and non-zero GRPO advantages from the first update."""
+
+    name = "vowels"
+    extract = "full"
+
+    def problems(self, split: str, n: int, seed: int) -> list[Problem]:
+        offset = 0 if split == "train" else 10_000
+        return [Problem(f"{offset + seed * n + i}:", "aaaa", self.name, i) for i in range(n)]
+
+    def _grade(self, problem: Problem, response: str) -> float:
+        return response.count("a") / max(len(response), 1)
+

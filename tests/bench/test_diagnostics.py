@@ -19,32 +19,20 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from conftest import tiny_qwen2, token_batch
+from conftest import VowelTask, tiny_qwen2, token_batch
 from logra import LoGRAConfig, LoGRAOptimizer
 from logra.bench import diagnostics, learn
 from logra.bench.diagnostics import ProjectionVariant, cosines, predicted_cosines, reconstruction_stats
 from logra.rl import KLControlConfig, RLConfig, RLTrainer
 from logra.rl.tiny import byte_tokenizer
-from logra.tasks import Problem, Task
 
 RADEMACHER_FIXED = ProjectionVariant("fixed", "rademacher", False)
 RADEMACHER = ProjectionVariant("refreshed", "rademacher", True)
 GAUSSIAN = ProjectionVariant("gaussian", "gaussian", True)
 
 
-class _CharTask(Task):
-    """Reward = fraction of response characters that are 'a': a random policy gets varied
-    rewards, so GRPO advantages (and gradients) are non-zero from the first update."""
-
+class _CharTask(VowelTask):
     name = "chars"
-    extract = "full"
-
-    def problems(self, split: str, n: int, seed: int) -> list[Problem]:
-        offset = 0 if split == "train" else 10_000
-        return [Problem(f"{offset + seed * n + i}:", "aaaa", self.name, i) for i in range(n)]
-
-    def _grade(self, problem: Problem, response: str) -> float:
-        return response.count("a") / max(len(response), 1)
 
 
 def _factory():

