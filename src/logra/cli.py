@@ -25,6 +25,7 @@ _BENCHMARKS = {
     "compare": "memory and speed against the peers (LoRA, GaLore, APOLLO, 8-bit AdamW)",
     "learn": "LoGRA vs dense AdamW vs LoRA learning curves over seeds",
     "diagnostics": "the paper's gradient-reconstruction and rank/KL-control diagnostics",
+    "spectrum": "spectra and cosines of the accumulated update W_T − W_0 of finished runs",
 }
 
 

@@ -34,14 +34,8 @@ def load_policy(config: RLConfig, task: Task, progress: bool = True) -> tuple[nn
             problems = task.problems("train", tiny.num_demonstrations, seed=tiny.seed + 1)
             return [(p.prompt, task.reference_response(p)) for p in problems]
 
-        # the demonstrations are a function of the task options and of the generator's
-        # version: both key the cache, so a warm start is reused only where it is the same
-        data = {k: getattr(config, k) for k in TASK_OPTIONS}
-        data.update(task=getattr(task, "name", config.task), reasoning_gym=package_version("reasoning-gym"),
-                    files=_file_digests(task))
-        data_key = json.dumps(data, sort_keys=True)
-        return load_or_warm_start(tiny, Path(config.cache_dir).expanduser(), demonstrations, data_key,
-                                  progress=progress)
+        return load_or_warm_start(tiny, Path(config.cache_dir).expanduser(), demonstrations,
+                                  warm_start_data_key(config, task), progress=progress)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -52,6 +46,16 @@ def load_policy(config: RLConfig, task: Task, progress: bool = True) -> tuple[nn
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer, {"source": config.model}
+
+
+def warm_start_data_key(config: RLConfig, task: Task) -> str:
+    """What identifies the embedded policy's demonstrations in its cache key
+    (`TinyPolicyConfig.cache_key`): the task, its options, the generator's version and the
+    digests of its data files, so a warm start is reused only where they are the same."""
+    data = {k: getattr(config, k) for k in TASK_OPTIONS}
+    data.update(task=getattr(task, "name", config.task), reasoning_gym=package_version("reasoning-gym"),
+                files=_file_digests(task))
+    return json.dumps(data, sort_keys=True)
 
 
 def _file_digests(task: Task) -> dict[str, str]:
