@@ -17,7 +17,8 @@ from .errors import MissingExtraError
 #: top-level module → the extra of ``pyproject.toml`` that installs it.
 EXTRAS: dict[str, str] = {
     "reasoning_gym": "rl", "math_verify": "rl", "peft": "rl", "matplotlib": "rl", "tqdm": "rl", "yaml": "rl",
-    "trl": "trl", "vllm": "vllm", "galore_torch": "bench", "apollo_torch": "bench", "bitsandbytes": "bench",
+    "trl": "trl", "vllm": "vllm", "gguf": "gguf",
+    "galore_torch": "bench", "apollo_torch": "bench", "bitsandbytes": "bench",
 }
 
 

@@ -115,6 +115,10 @@ def test_extract_boxed(response, expected):
     assert extract_answer(response, "boxed") == expected
 
 
+# the modes that read back any text (the last reads numbers only)
+TEXT_MODES = [m for m in EXTRACT_MODES if m != "last_number"]
+
+
 def test_extract_other_modes():
     assert extract_answer("a\n  b  \n\n   \n", "last_line") == "b"
     assert extract_answer("  \n ", "last_line") is None
@@ -122,6 +126,10 @@ def test_extract_other_modes():
     assert extract_answer("   ", "full") is None
     assert extract_answer("<answer>1</answer> x <answer>\n 2 \n</answer>", "tag") == "2"
     assert extract_answer("<answer>unclosed", "tag") is None
+    assert extract_answer("7 + 5 = 12.", "last_number") == "12"
+    assert extract_answer("Total: 1,234 apples, i.e. −3.50 per box", "last_number") == "-3.50"
+    assert extract_answer("So 9 - 12 = -3\n", "last_number") == "-3"
+    assert extract_answer("no digits", "last_number") is None
     with pytest.raises(ValueError, match="boxed"):
         extract_answer("x", "nope")
 
@@ -133,8 +141,10 @@ def test_format_answer_round_trips_through_extract():
         answer = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 20))).strip(" *")
         if not answer:
             continue
-        for mode in EXTRACT_MODES:
+        for mode in TEXT_MODES:
             assert extract_answer("Reasoning.\n" * (mode != "full") + format_answer(answer, mode), mode) == answer
+        number = str(rng.randint(-10**6, 10**6))  # 'last_number' reads numbers only
+        assert extract_answer("Reasoning 1.\n" + format_answer(number, "last_number"), "last_number") == number
     multi = "1 2\n3 4"
     assert extract_answer("blah\n" + format_answer(multi, "answer"), "answer") == multi
 
@@ -164,7 +174,7 @@ def test_unknown_task_suggests_nearest_and_lists_valid():
         ReasoningGymTask("chain_sum", config={"size": 10})
 
 
-@pytest.mark.parametrize("mode", EXTRACT_MODES)
+@pytest.mark.parametrize("mode", TEXT_MODES)
 def test_rg_task_grades_its_references_full_and_garbage_low(mode):
     task = ReasoningGymTask("spell_backward", extract=mode, config=dict(min_word_len=3, max_word_len=6))
     probs = task.problems("train", 20, seed=3)
@@ -174,6 +184,14 @@ def test_rg_task_grades_its_references_full_and_garbage_low(mode):
         assert task.score(p, "zzzzqqqq") < 1.0
         assert task.score(p, "") == 0.0
     assert task.failures == 0
+
+
+def test_last_number_grades_what_chat_models_write_for_sums():
+    task = ReasoningGymTask("chain_sum", extract="last_number")
+    for p in task.problems("train", 20, seed=3):
+        assert task.score(p, task.reference_response(p)) == 1.0
+        assert task.score(p, f"{p.prompt.splitlines()[0]} The answer is {p.answer}.") == 1.0
+        assert task.score(p, f"The answer is {int(p.answer) + 1}.") == 0.0
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # codeio exec()s snippets with old escapes

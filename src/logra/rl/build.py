@@ -16,6 +16,7 @@ from ..optimizer import DenseRowAdam, LoGRAOptimizer
 from ..sketch import target_module_names
 from ..tasks import Task
 from .config import TASK_OPTIONS, RLConfig
+from .pretrained import plain_copy, resolve_model
 from .tiny import load_or_warm_start
 
 
@@ -25,7 +26,8 @@ def load_policy(config: RLConfig, task: Task, progress: bool = True) -> tuple[nn
     ``info`` says where the policy came from (for the embedded one: its cache entry).
 
     Raises:
-        ValueError: ``config.model`` is not a loadable causal language model.
+        ValueError: ``config.model`` is not a loadable causal language model (or has no chat
+            template while ``config.chat_template`` asks for one).
     """
     if not config.model:
         tiny = config.tiny
@@ -38,14 +40,21 @@ def load_policy(config: RLConfig, task: Task, progress: bool = True) -> tuple[nn
                                   warm_start_data_key(config, task), progress=progress)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    source = resolve_model(config.model)
+    info = {"source": config.model}
+    if source.endswith(".gguf"):
+        info["gguf"] = source
+        source = str(plain_copy(source, config.cache_dir, progress=progress))
     try:
-        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     except (ValueError, OSError, KeyError) as e:
         raise ValueError(f"--model {config.model!r} is not a loadable causal language model: {e}") from e
-    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer, {"source": config.model}
+    if config.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"chat_template=True, but the tokenizer of --model {config.model!r} has no chat template")
+    return model, tokenizer, {**info, "loaded_from": source}
 
 
 def warm_start_data_key(config: RLConfig, task: Task) -> str:

@@ -39,7 +39,7 @@ from ..errors import ChecksumMismatchError
 from ..optimizer import LoGRAOptimizer
 from ..parallel import global_token_count, init_from_env
 from ..parallel.vllm import VLLMPolicy, make_engine
-from ..tasks import Problem, Task, is_correct
+from ..tasks import ChatTemplateTask, Problem, Task, is_correct
 from ..updater import controlled_step, make_updater
 from .build import build_optimizer, load_policy
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -91,6 +91,8 @@ class RLTrainer:
         else:
             self.policy_info = {"source": "given"}
         self.tokenizer = tokenizer
+        if config.chat_template:
+            self.task = ChatTemplateTask(self.task, tokenizer)
         model = model.to(self.device)
         # the reference is the initial policy itself: copied before sketches or adapters are installed
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if config.ref_kl_coef > 0 else None

@@ -5,7 +5,8 @@ This is the reward side of the RL loop. A :class:`Task` produces
 needs), the loop samples responses, and :meth:`Task.score` turns each response
 into a reward in ``[0, 1]``.
 
-Three kinds of task are provided:
+Three kinds of task are provided (and :class:`ChatTemplateTask`, which gives any of
+them to an instruct model as chat turns):
 
 * :class:`ReasoningGymTask` wraps one procedural dataset of ``reasoning_gym``;
 * :class:`MathJsonlTask` reads MATH-style problems from a JSONL file and grades
@@ -16,7 +17,7 @@ Three kinds of task are provided:
 
 Modules: `base` (`Problem`, `Task`, answer extraction, the split), `gym`
 (reasoning-gym tasks, ``rg-hard``), `math_jsonl` (MATH JSONL + math-verify), `mixture`,
-`spec` (`make_task`) and `passk` (`is_correct`, pass@k).
+`chat` (`ChatTemplateTask`), `spec` (`make_task`) and `passk` (`is_correct`, pass@k).
 
 Train/eval separation: both the reasoning-gym and the JSONL tasks assign every
 problem to a split by a hash of its question text (a fixed fraction,
@@ -29,6 +30,7 @@ small problem spaces repeat questions under any seed.
 """
 
 from .base import EXTRACT_MODES, Problem, Task, extract_answer, format_answer
+from .chat import ChatTemplateTask
 from .gym import REASONING_GYM_HARD, ReasoningGymTask, list_tasks
 from .math_jsonl import MathJsonlTask
 from .mixture import MixtureTask
@@ -37,6 +39,7 @@ from .spec import make_task
 
 __all__ = [
     "EXTRACT_MODES",
+    "ChatTemplateTask",
     "REASONING_GYM_HARD",
     "MathJsonlTask",
     "MixtureTask",

@@ -14,7 +14,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 #: Answer-extraction modes understood by :func:`extract_answer`.
-EXTRACT_MODES: tuple[str, ...] = ("answer", "boxed", "last_line", "full", "tag")
+EXTRACT_MODES: tuple[str, ...] = ("answer", "boxed", "last_line", "full", "tag", "last_number")
 
 #: The two splits of every task.
 SPLITS: tuple[str, ...] = ("train", "eval")
@@ -27,6 +27,7 @@ _INSTRUCTIONS: dict[str, str] = {
     "last_line": "Write your final answer alone on the last line.",
     "full": "Reply with only the answer.",
     "tag": "Put your final answer between <answer> and </answer>.",
+    "last_number": "Reply with only the result.",
 }
 
 
@@ -70,6 +71,8 @@ _ANSWER_RE = re.compile(r"answer\s*:", re.IGNORECASE)
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BLANK_LINE_RE = re.compile(r"\n[ \t]*\n")
+# a signed integer or decimal; thousands separators are removed before matching
+_NUMBER_RE = re.compile(r"[-−]?\d+(?:\.\d+)?")
 
 
 def _strip_markdown(text: str) -> str:
@@ -113,6 +116,9 @@ def extract_answer(response: str, mode: str) -> str | None:
         ``'full'``: the whole response, stripped.
         ``'tag'``: content of the last ``<answer>...</answer>``, stripped
             (reasoning-gym's own convention).
+        ``'last_number'``: the last number in the response, as written
+            (thousands commas dropped, a Unicode minus read as ``-``), so
+            "7 + 5 = 12." reads ``12``: what chat models write for arithmetic.
 
     Args:
         response: The model's response text.
@@ -145,9 +151,12 @@ def extract_answer(response: str, mode: str) -> str | None:
         text = lines[-1] if lines else None
     elif mode == "full":
         text = response.strip()
-    else:  # tag
+    elif mode == "tag":
         found = _TAG_RE.findall(response)
         text = found[-1].strip() if found else None
+    else:  # last_number
+        found = _NUMBER_RE.findall(response.replace(",", ""))
+        text = found[-1].replace("−", "-") if found else None
     return text or None
 
 
@@ -156,8 +165,8 @@ def format_answer(answer: str, mode: str) -> str:
 
     The inverse of :func:`extract_answer` for the given mode, used to build SFT
     demonstrations: ``extract_answer(format_answer(a, m), m) == a.strip()`` for
-    any non-empty answer without blank lines (and, for ``'boxed'``, with
-    balanced braces).
+    any non-empty answer without blank lines (for ``'boxed'``, with balanced
+    braces; for ``'last_number'``, a number).
 
     Args:
         answer: The answer text.
