@@ -61,7 +61,8 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("transfer", ["transfer", "reset"])
 @pytest.mark.parametrize("extra", [{}, {"second_moment": "momentum"}, {"trust_ratio": "layer"},
-                                   {"trust_ratio": "element"}, {"optimizer": "adam", "trust_ratio": "layer"}])
+                                   {"trust_ratio": "element"}, {"optimizer": "adam", "trust_ratio": "layer"},
+                                   {"optimizer": "adam", "second_moment_refresh": "row_mean"}])
 def test_direction_matches_float64_reference(transfer, extra):
     cfg = _momentum_config(momentum_refresh=transfer, **extra)
     model = tiny_qwen2()
@@ -94,7 +95,9 @@ def test_direction_matches_float64_reference(transfer, extra):
         a_new = {n: opt.projection(n).to(f64) for n in names}
         if not torch.equal(a_new[names[0]], a_old[names[0]]):
             refreshed += 1
-            if element:  # the element-wise second moment restarts with the new coordinates
+            if element and cfg.second_moment_refresh == "row_mean":  # row means carried, correction runs on
+                v = {n: v[n].mean(dim=1, keepdim=True).expand_as(v[n]).clone() for n in names}
+            elif element:  # the element-wise second moment restarts with the new coordinates
                 v = {n: torch.zeros_like(v[n]) for n in names}
                 since_refresh = 0
             if transfer == "transfer":
@@ -197,6 +200,10 @@ def test_bad_beta1():
         LoGRAConfig(beta1=1.0)
     with pytest.raises(ValueError, match="momentum_refresh"):
         LoGRAConfig(momentum_refresh="keep")
+    with pytest.raises(ValueError, match="second_moment_refresh='row_mean' needs optimizer='adam' and refresh=True"):
+        LoGRAConfig(optimizer="adam", refresh=False, second_moment_refresh="row_mean")
+    with pytest.raises(ValueError, match="second_moment_refresh='row_mean' needs optimizer='adam'"):
+        LoGRAConfig(second_moment_refresh="row_mean")
 
 
 # ---------------------------------------------------------------- resume and replay

@@ -38,6 +38,9 @@ def random_config(rng: random.Random) -> LoGRAConfig:
             o["second_moment"] = rng.choice(["sketch", "momentum"])
     if o.get("beta1") or o["optimizer"] == "adam":
         o["moment_dtype"] = rng.choice(["float32", "bfloat16"])
+    if o["optimizer"] == "adam" and o["refresh"]:
+        # from a value already drawn, so adding the option left every case's other draws as they were
+        o["second_moment_refresh"] = ("reset", "row_mean")[o["seed"] % 2]
     if rng.random() < 0.25:
         o.update(update_ratio=None, lr=rng.choice([0.01, 0.1]), weight_decay=rng.choice([0.0, 0.1]))
     else:

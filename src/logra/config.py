@@ -22,6 +22,7 @@ _CHOICES = {
     "factor_dtype": tuple(_DTYPES),
     "momentum_refresh": ("transfer", "reset"),
     "second_moment": ("sketch", "momentum"),
+    "second_moment_refresh": ("reset", "row_mean"),
     "trust_ratio": ("global", "layer", "element"),
     "column_scale": ("none", "input"),
     "moment_dtype": tuple(_DTYPES),
@@ -79,6 +80,13 @@ class LoGRAConfig:
             zeroes it (and restarts its bias correction).
         second_moment: what RowAdam's row second moment is computed from when ``beta1`` > 0:
             ``'sketch'`` (the raw sketch of this update, as Adam does) or ``'momentum'``.
+        second_moment_refresh: what happens to the element-wise second moment
+            (``optimizer='adam'``) when the projections are redrawn: ``'reset'`` zeroes it and
+            restarts its bias correction; ``'row_mean'`` gives every entry of a row that row's
+            mean and keeps the bias correction running. Under a new random projection every
+            entry of row ``i`` of the sketch has the same expected square, ``‖G_i‖² / r``
+            (times the column scales' mean square), which the old row mean estimates; the
+            element-wise detail is rebuilt at rate ``beta2``. Not in the paper.
         trust_ratio: ``'global'`` (paper: one ‖ΔW‖/‖W‖ = ``update_ratio`` over all targets
             together), ``'layer'`` (each target's ‖ΔW_l‖ = ``update_ratio``·‖W_l‖, LARS/LAMB
             style) or ``'element'`` (each target's ‖ΔW_l‖ = ``update_ratio``·RMS(W)·√numel_l:
@@ -127,6 +135,7 @@ class LoGRAConfig:
     beta1: float = 0.0
     momentum_refresh: Literal["transfer", "reset"] = "transfer"
     second_moment: Literal["sketch", "momentum"] = "sketch"
+    second_moment_refresh: Literal["reset", "row_mean"] = "reset"
     trust_ratio: Literal["global", "layer", "element"] = "global"
     share_projections: bool = False
     column_scale: Literal["none", "input"] = "none"
@@ -167,6 +176,8 @@ class LoGRAConfig:
              f"second_moment={self.second_moment!r} needs optimizer='row_adam' and beta1 > 0"),
             (self.moment_dtype != "float32", self.beta1 > 0 or self.optimizer == "adam",
              f"moment_dtype={self.moment_dtype!r} needs a moment to store (beta1 > 0 or optimizer='adam')"),
+            (self.second_moment_refresh != "reset", self.optimizer == "adam" and self.refresh,
+             f"second_moment_refresh={self.second_moment_refresh!r} needs optimizer='adam' and refresh=True"),
             (self.momentum_refresh != "transfer", self.beta1 > 0,
              f"momentum_refresh={self.momentum_refresh!r} needs beta1 > 0"),
             (self.weight_decay > 0, self.update_ratio is None,

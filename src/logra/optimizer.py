@@ -145,7 +145,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._step = 0
         rows = self._sketches.sketch_rows
         self.rule: SketchRule = make_rule(config.optimizer, {n: t.out_features for n, t in targets.items()}, rows,
-                                          self._sketches.views, config.torch_moment_dtype, config.second_moment)
+                                          self._sketches.views, config.torch_moment_dtype, config.second_moment,
+                                          config.second_moment_refresh)
         self.first_moment = (FirstMoment(rows, self._sketches.views, config.torch_moment_dtype,
                                          config.momentum_refresh) if config.beta1 > 0 else None)
         self.projector = Projector(config, targets)

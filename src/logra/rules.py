@@ -233,12 +233,16 @@ class RowAdamRule(SketchRule):
 class AdamRule(SketchRule):
     """Adam in sketch coordinates (not in the paper): `element_adam` with one second moment
     per sketch entry, one ``[Σ out, r]`` buffer in ``dtype``. Its coordinates are those of
-    the projections in force, so a refresh zeroes it (and restarts its bias correction)."""
+    the projections in force, so a refresh zeroes it and restarts its bias correction
+    (``refresh='reset'``) or sets each row to its mean and keeps the correction running
+    (``'row_mean'``: under a new random projection every entry of a row has the same
+    expected square, which the old row mean estimates)."""
 
     name = "adam"
 
-    def __init__(self, like: torch.Tensor, views: Views, dtype: torch.dtype) -> None:
+    def __init__(self, like: torch.Tensor, views: Views, dtype: torch.dtype, refresh: str = "reset") -> None:
         self.v = torch.zeros_like(like, dtype=dtype)
+        self.refresh = refresh
         self.steps = 0  # updates folded in since the last reset
         #: per target, its rows of the second moment
         self.views = views(self.v)
@@ -255,6 +259,9 @@ class AdamRule(SketchRule):
         self.steps += 1
 
     def on_refresh(self):
+        if self.refresh == "row_mean":
+            self.v.copy_(self.v.float().mean(dim=1, keepdim=True).expand_as(self.v))
+            return
         self.v.zero_()
         self.steps = 0
 
@@ -273,12 +280,12 @@ class AdamRule(SketchRule):
 
 
 def make_rule(optimizer: str, rows: dict[str, int], like: torch.Tensor, views: Views, dtype: torch.dtype,
-              second_moment: str) -> SketchRule:
+              second_moment: str, second_moment_refresh: str = "reset") -> SketchRule:
     """The rule ``LoGRAConfig.optimizer`` names."""
     if optimizer == "row_adam":
         return RowAdamRule(rows, like.device, from_momentum=second_moment == "momentum")
     if optimizer == "adam":
-        return AdamRule(like, views, dtype)
+        return AdamRule(like, views, dtype, refresh=second_moment_refresh)
     return SGDRule()
 
 
