@@ -143,6 +143,20 @@ def test_command_prints_tables_cosines_and_writes_the_figure(runs, tmp_path, cap
     assert cli.main(["bench", "--help"]) == 0 and "spectrum" in capsys.readouterr().out
 
 
+def test_a_logra_update_lies_inside_its_own_subspace_and_others_partly(runs, tmp_path, capsys):
+    """The share of ‖ΔW‖² inside the fixed projection's row space: exactly 1 for the LoGRA run
+    (every update is U·A with that A), less for LoRA (its A is learned)."""
+    assert main([str(runs["logra"]), str(runs["lora"]), "--label", "L", "R", "--subspace", str(runs["logra"]),
+                 "--out-dir", str(tmp_path), "--json", str(tmp_path / "s.json")]) == 0
+    assert "Share of ‖ΔW‖² inside the input subspace" in capsys.readouterr().out
+    data = json.loads((tmp_path / "s.json").read_text())["runs"]
+    assert set(data["L"]["inside"]) == TARGETS
+    assert all(x == pytest.approx(1.0, abs=1e-6) for x in data["L"]["inside"].values())
+    assert all(0 < x < 0.99 for x in data["R"]["inside"].values())
+    with pytest.raises(SystemExit, match="needs a LoGRA run with refresh=False"):
+        main([str(runs["lora"]), "--subspace", str(runs["lora"]), "--out-dir", str(tmp_path)])
+
+
 def test_refusals_are_one_line(runs, tmp_path):
     def refused(argv, match):
         with pytest.raises(SystemExit, match=match):

