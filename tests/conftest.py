@@ -34,6 +34,22 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).float()
 
 
+def save_local_model(path, chat_template: str | None = None):
+    """A saved random 2-layer Qwen2 with the byte-level tokenizer (and ``chat_template``), as a
+    user's ``--model`` path; returns ``path``."""
+    from logra.rl.tiny import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.chat_template = chat_template
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def qwen2() -> Qwen2ForCausalLM:
     return tiny_qwen2()

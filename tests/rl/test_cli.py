@@ -6,15 +6,13 @@ import json
 import sys
 
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from conftest import save_local_model
 from logra import cli
 from logra.errors import MissingExtraError
 from logra.rl import RLConfig, build_task, recipe_config
 from logra.rl.cli import _parser, build_config
 from logra.rl.cli import main as train_main
-from logra.rl.tiny import byte_tokenizer
 
 # one short update and a small evaluation: what matters is that each task kind runs
 SHORT = ["--updates", "1", "--prompts_per_update", "2", "--responses_per_prompt", "2", "--eval_problems", "2",
@@ -36,15 +34,7 @@ def math_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_model(tmp_path_factory):
     """A saved random Qwen2 with a byte-level tokenizer, as a user's `--model` path."""
-    path = tmp_path_factory.mktemp("model")
-    tok = byte_tokenizer()
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_local_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import processors
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import save_local_model
 from logra import LoGRAConfig
 from logra.rl import KLControlConfig, RLConfig, RLTrainer, build_task, recipe_config
 from logra.rl.build import load_policy
@@ -30,16 +31,7 @@ def _chat(prompt: str) -> str:
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """A saved random Qwen2 whose tokenizer has a chat template, as a user's `--model` path."""
-    path = tmp_path_factory.mktemp("chat-model")
-    tok = byte_tokenizer()
-    tok.chat_template = TEMPLATE
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_local_model(tmp_path_factory.mktemp("chat-model"), chat_template=TEMPLATE)
 
 
 def test_chat_template_prompts_are_what_the_trainer_samples_and_evaluates(tmp_path, chat_model):

@@ -390,24 +390,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {label} | {kind} | {k['layers']} | {_fmt(k['min_dim'], 0)} | {_fmt(k['effective_rank'])} | "
                   f"{_fmt(k['energy_rank'])} | {k['relative_norm']:.2e} |")
     if reference is not None:
-        print(f"\n## Cosine of ΔW with the reference ({reference[0]}): mean over layers\n")
-        print("| run | " + " | ".join(kinds) + " |")
-        print("|---|" + "---:|" * len(kinds))
-        for label, r in results.items():
-            print(f"| {label} | " + " | ".join(_fmt(r["kinds"].get(k, {}).get("cosine", math.nan), 3)
-                                               for k in kinds) + " |")
-
+        _kind_table(f"Cosine of ΔW with the reference ({reference[0]})", "cosine", results, kinds)
     if bases is not None:
-        names = [n for r in results.values() for n in r["inside"]]
-        chance = {k: _mean([bases[n].shape[1] / bases[n].shape[0] for n in set(names) if _kind(n) == k])
-                  for k in kinds}
-        print(f"\n## Share of ‖ΔW‖² inside the input subspace of {args.subspace}: mean over layers\n")
-        print("| run | " + " | ".join(kinds) + " |")
-        print("|---|" + "---:|" * len(kinds))
-        for label, r in results.items():
-            print(f"| {label} | " + " | ".join(_fmt(r["kinds"].get(k, {}).get("inside", math.nan), 3)
-                                               for k in kinds) + " |")
-        print("| (a random r-dim subspace: r / in) | " + " | ".join(_fmt(chance[k], 3) for k in kinds) + " |")
+        names = {n for r in results.values() for n in r["inside"]}
+        chance = {k: _mean([bases[n].shape[1] / bases[n].shape[0] for n in names if _kind(n) == k]) for k in kinds}
+        _kind_table(f"Share of ‖ΔW‖² inside the input subspace of {args.subspace}", "inside", results, kinds,
+                    ("(a random r-dim subspace: r / in)", chance))
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -418,6 +406,17 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(payload, indent=1))
         _log(f"wrote {args.json}")
     return 0
+
+
+def _kind_table(title: str, key: str, results: dict[str, dict[str, Any]], kinds: list[str],
+                extra: tuple[str, dict[str, float]] | None = None) -> None:
+    """One markdown row per run of ``key``'s mean over layers, one column per layer kind."""
+    print(f"\n## {title}: mean over layers\n")
+    print("| run | " + " | ".join(kinds) + " |")
+    print("|---|" + "---:|" * len(kinds))
+    rows = [(label, {k: r["kinds"].get(k, {}).get(key, math.nan) for k in kinds}) for label, r in results.items()]
+    for label, values in [*rows, *([extra] if extra else [])]:
+        print(f"| {label} | " + " | ".join(_fmt(values[k], 3) for k in kinds) + " |")
 
 
 def _plot(results: dict[str, dict[str, Any]], path: Path) -> Path:
