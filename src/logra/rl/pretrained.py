@@ -59,8 +59,11 @@ def resolve_model(model: str) -> str:
     Raises:
         ValueError: a named model whose package is not installed (says how to install it).
     """
-    if Path(model).expanduser().exists() or model not in NAMED_MODELS:
-        return str(Path(model).expanduser()) if Path(model).expanduser().exists() else model
+    local = Path(model).expanduser()
+    if local.exists():
+        return str(local)
+    if model not in NAMED_MODELS:
+        return model
     named = NAMED_MODELS[model]
     try:
         path = Path(str(importlib.metadata.distribution(named.distribution).locate_file(named.file)))
