@@ -151,8 +151,7 @@ def _lora_scale(config: dict[str, Any], rank: int) -> float:
     r = int(config.get("lora_rank") or config["logra"]["rank"])
     if r != rank:
         raise _fail(f"the checkpoint's LoRA factors have rank {rank}, its config says {r}")
-    alpha = r
-    return alpha / r
+    return 1.0  # lora_alpha / r with lora_alpha = r
 
 
 def _run_weights(run_dir: Path, base: str | Path | None = None

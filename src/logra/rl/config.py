@@ -93,7 +93,7 @@ class RLConfig:
     chat_template: bool = False
     task: str = "chain_sum"
     task_config: dict[str, Any] | None = None
-    extract: Literal["answer", "boxed", "last_line", "full", "tag"] | None = None
+    extract: Literal["answer", "boxed", "last_line", "full", "tag", "last_number"] | None = None
     instruction: str | None = None
     strip_prefix: str | None = None
     partial_credit: bool = False
