@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
+from transformers import Qwen2Config
 
 from conftest import save_local_model
 from logra import cli
 from logra.errors import MissingExtraError
-from logra.rl import RLConfig, build_task, recipe_config
+from logra.rl import RLConfig, build_task, rank_for_width, recipe_config
 from logra.rl.cli import _parser, build_config
 from logra.rl.cli import main as train_main
 
@@ -67,10 +69,12 @@ def test_each_task_kind_runs_on_the_tiny_policy(tmp_path, math_file, kind):
 
 @pytest.mark.parametrize("kind", ["reasoning-gym", "mixture", "math", "rg-hard"])
 def test_each_task_kind_runs_on_a_saved_local_model(tmp_path, math_file, local_model, kind):
-    """A `--model` run takes the plain defaults and each task's own answer format."""
+    """A `--model` run takes recipe 'model' (the plain defaults but for the LoGRA update) and each
+    task's own answer format."""
     config = _run(tmp_path, "--model", str(local_model), "--task", _kinds(math_file)[kind], "--max_new_tokens", "4")
     assert config["extract"] is None and config["instruction"] is None and config["task_config"] is None
     assert config["logra"]["non_target"] == "freeze" and config["kl"]["budget"] == 2e-4  # the paper's
+    assert config["logra"]["optimizer"] == "adam" and config["logra"]["refresh"] is False  # the embedded update
     task = build_task(RLConfig(**{k: config[k] for k in ("task", "eval_fraction")}))
     expected = "boxed" if kind == "math" else "answer"
     leaves = getattr(task, "tasks", [task])
@@ -89,10 +93,44 @@ def test_embedded_recipe_is_the_default_and_its_task_options_stay_with_chain_sum
     assert plain.logra.rank == 256 and plain.max_new_tokens == 512 and plain.extract is None
 
 
+@pytest.mark.parametrize("width, rank", [
+    (128, 48), (256, 48),  # the tiny policies of docs/learning.md
+    (576, 96),  # SmolLM2-135M (recipe smollm2-135m)
+    (1536, 256), (5120, 256),  # the paper's rank, in/r = 6 and 20
+    (32, 32), (1024, 176), (336, 64), (240, 48),  # below the width; steps of 16, halves round up
+])
+def test_rank_for_width_gives_the_ranks_we_measured(width, rank):
+    assert rank_for_width(width) == rank
+    # the rule in words: width / 6 to the nearest multiple of 16 (halves up), within [48, 256] and ≤ width
+    assert rank == min(width, 256, max(48, 16 * math.floor(width / 96 + 0.5)))
+
+
+def test_a_model_run_gets_the_embedded_update_with_the_rank_of_its_width(tmp_path, local_model):
+    wide = tmp_path / "wide"  # a config alone: the rule reads the model's width, never its weights
+    Qwen2Config(hidden_size=576, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(wide)
+    config = build_config({"model": str(wide)}, "model")
+    assert config.logra.rank == 96 and config.logra.update_ratio == 1e-4
+    assert (config.logra.optimizer, config.logra.beta1, config.logra.refresh, config.logra.trust_ratio) \
+        == ("adam", 0.9, False, "layer")
+    assert build_config({"model": str(wide), "logra.rank": 64}, "model").logra.rank == 64  # a given rank stays
+    paper = build_config({"model": str(wide)})  # what `--recipe none` builds: the paper's update
+    assert (paper.logra.rank, paper.logra.optimizer, paper.logra.refresh) == (256, "row_adam", True)
+    with pytest.raises(SystemExit, match="give a model"):
+        build_config({}, "model")
+    # `logra train --model PATH` with no recipe: 'model', here capped at the width (32)
+    short = SHORT[:SHORT.index("--logra.rank")] + ["--quiet"]
+    run = tmp_path / "run"
+    assert train_main(["--model", str(local_model), "--task", "basic_arithmetic", "--max_new_tokens", "4", *short,
+                       "--run_dir", str(run)]) == 0
+    saved = json.loads((run / "config.json").read_text())["logra"]
+    assert (saved["rank"], saved["optimizer"]) == (32, "adam")
+
+
 def test_help_shows_the_embedded_defaults(capsys):
     text = " ".join(_parser().format_help().split())
     assert "--logra.rank INT" in text
-    assert "(default: 48; without a recipe: 256)" in text
+    assert "(default: 48; with --recipe none: 256)" in text
     assert "(default: 'chain_sum')" in text
 
 

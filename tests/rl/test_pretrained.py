@@ -15,7 +15,7 @@ from conftest import save_local_model
 from logra import LoGRAConfig
 from logra.rl import KLControlConfig, RLConfig, RLTrainer, build_task, recipe_config
 from logra.rl.build import load_policy
-from logra.rl.pretrained import NAMED_MODELS, plain_copy, resolve_model
+from logra.rl.pretrained import NAMED_MODELS, model_width, plain_copy, resolve_model
 from logra.rl.tiny import byte_tokenizer
 from logra.tasks import ChatTemplateTask
 
@@ -124,3 +124,10 @@ def test_the_smollm2_recipe_keeps_its_answer_format_with_its_own_task():
     other = recipe_config("smollm2-135m", task="basic_arithmetic")
     assert other.chat_template and other.logra.rank == 96
     assert (other.extract, other.instruction, other.task_config) == (None, None, None)  # the task's own
+
+
+def test_the_model_recipe_reads_smollm2s_width_from_its_gguf_file():
+    """The rank rule on the real model: width 576 from the GGUF metadata gives the rank its own recipe uses."""
+    _smollm2()
+    assert model_width("smollm2-135m") == 576
+    assert recipe_config("model", model="smollm2-135m").logra.rank == 96 == recipe_config("smollm2-135m").logra.rank

@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..rl import RLConfig, RLTrainer, recipe_config
+from ..rl import RLTrainer, recipe_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,8 +34,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its tables."""
     args = _parser().parse_args(argv)
-    # as `logra train`: the embedded recipe for the tiny policy, the plain defaults for a model
-    base = RLConfig(model=args.model) if args.model else recipe_config("embedded")
+    # as `logra train`: the embedded recipe for the tiny policy, recipe 'model' for a model
+    base = recipe_config("model", model=args.model) if args.model else recipe_config("embedded")
     kl = base.kl if args.budget is None else dataclasses.replace(base.kl, schedule="constant", budget=args.budget)
     config = dataclasses.replace(
         base, model=args.model, optimizer=args.optimizer, updates=args.updates, eval_every=0, checkpoint_every=0,

@@ -2,7 +2,8 @@
 
 Module map, in the order data flows through one update:
 
-- `config`: `RLConfig` (every setting), `build_task`, named recipes (`RECIPES`, `recipe_config`);
+- `config`: `RLConfig` (every setting), `build_task`, named recipes (`RECIPES`, `recipe_config`,
+  `rank_for_width`);
 - `build`: the policy (local model or the embedded `tiny` one) and its optimizer;
 - `rollout`: sampling responses and their log-probabilities; `workers`: rollouts on
   processes kept in sync by verified low-rank deltas;
@@ -13,12 +14,12 @@ Module map, in the order data flows through one update:
 """
 
 from ..kl import KLControlConfig
-from .config import RECIPES, Recipe, RLConfig, build_task, recipe_config
+from .config import RECIPES, Recipe, RLConfig, build_task, rank_for_width, recipe_config
 from .evaluation import format_summary
 from .loss import advantages, policy_loss
 from .trainer import RLTrainer
 
 __all__ = [
     "KLControlConfig", "RECIPES", "Recipe", "RLConfig", "RLTrainer", "advantages", "build_task", "format_summary",
-    "policy_loss", "recipe_config",
+    "policy_loss", "rank_for_width", "recipe_config",
 ]

@@ -144,23 +144,23 @@ def _parser() -> argparse.ArgumentParser:
         prog="logra train",
         description="RL post-training with LoGRA (default), dense AdamW or LoRA. With no arguments: the "
         "embedded default (recipe 'embedded': a tiny Qwen2 policy, warm-started and cached, then RL on a "
-        "reasoning-gym task). Defaults shown are the embedded default's; where a run without a recipe "
-        "(any --model) differs, that value is shown too.",
+        "reasoning-gym task); with --model, recipe 'model' (see --recipe). Defaults shown are the embedded "
+        "default's; where the plain defaults (--recipe none) differ, that value is shown too.",
     )
     parser.add_argument("--config", help="YAML or TOML file of options (flags override it)")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     recipes = "; ".join(f"'{r.name}': {r.description}" for r in RECIPES.values())
     parser.add_argument("--recipe", choices=[*RECIPES, "none"], default=None,
-                        help=f"preset settings under the options: {recipes}; 'none': the plain defaults "
-                             "(default: 'embedded' without --model, else 'none')")
+                        help=f"preset settings under the options: {recipes}; 'none': the plain defaults, "
+                             "the paper's LoGRA update (default: 'embedded' without --model, else 'model')")
     docs = _field_docs()
     embedded = _flatten(build_config({}, "embedded").to_dict())
     plain = _flatten(RLConfig().to_dict())
     for key, f in flat_fields().items():
         default = f"{_shown(_coerce_saved(embedded[key]))}"
         if plain[key] != embedded[key]:
-            default += f"; without a recipe: {_shown(_coerce_saved(plain[key]))}"
+            default += f"; with --recipe none: {_shown(_coerce_saved(plain[key]))}"
         kind = str(f.type)
         choices = re.findall(r"['\"](\w+)['\"]", kind) if kind.startswith("Literal") else []
         kind = "{" + ",".join(choices) + "}" if choices else kind.split(" ")[0].split("[")[0].upper()
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = {k: v for k, v in vars(args).items() if k not in ("config", "resume", "quiet", "recipe")}
     values = load_config_file(args.config) if args.config else {}
     values.update(flags)
-    recipe = args.recipe or ("none" if values.get("model") else "embedded")
+    recipe = args.recipe or ("model" if values.get("model") else "embedded")
     if args.resume:
         if checkpoint_dir(Path(args.resume)) is None:
             raise SystemExit(f"logra train: {args.resume} has no checkpoint to resume")

@@ -4,7 +4,8 @@ Defaults of `RLConfig` are generic: the paper's LoGRA and KL-control settings, a
 task options left to each task kind (``None`` = the task's own default: answer
 extraction and instruction for reasoning-gym, ``\\boxed{}`` for MATH JSONL). The
 embedded default run is the named recipe ``'embedded'`` (`RECIPES`), which `logra
-train` uses when no ``--model`` is given.
+train` uses when no ``--model`` is given; with a ``--model`` it uses ``'model'``, whose
+rank follows the model's width (`rank_for_width`).
 """
 
 from __future__ import annotations
@@ -213,12 +214,15 @@ class Recipe:
             tiny policy — bare answers, short responses — and its KL budget).
         task_values: settings that belong to the recipe's own task (``values['task']``, e.g.
             its difficulty and prompt prefix): dropped when a run chooses another task.
+        rank_from_width: set ``logra.rank`` from the width of the run's ``model`` by
+            `rank_for_width` (reading the model's config), unless the run gives a rank.
     """
 
     name: str
     description: str
     values: dict[str, Any]
     task_values: dict[str, Any] = field(default_factory=dict)
+    rank_from_width: bool = False
 
     def settings(self, task: str | None = None) -> dict[str, Any]:
         """The recipe's dotted settings for a run of ``task`` (None = the recipe's own task)."""
@@ -272,8 +276,41 @@ SMOLLM2_135M = Recipe(
     task_values={"task_config": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1},
                  "extract": "last_number", "instruction": "Reply with only the result."},
 )
+
+
+def rank_for_width(hidden_size: int) -> int:
+    """The sketch rank for a model of width ``hidden_size``: width / 6 in steps of 16 (the paper's
+    1536 / 256), at least 48 and at most 256, never above the width.
+
+    It reproduces every rank we measured learning with: 48 at widths 128 and 256 (the tiny
+    policies), 96 at 576 (SmolLM2-135M), 256 at 1536 and beyond (the paper's). It is a rule
+    that agrees with those runs, not a fitted optimum (docs/learning.md, "A rule from the
+    model's shape").
+    """
+    if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size <= 0:
+        raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
+    return min(hidden_size, 256, max(48, 16 * ((hidden_size + 48) // 96)))
+
+
+#: Any pretrained ``--model``: the update the embedded recipe uses (one projection per layer
+#: for the run, first and element-wise second moments of the sketch, a per-layer trust
+#: ratio), with the rank from the model's width (`rank_for_width`) and the update ratio of
+#: the SmolLM2 recipe (a pretrained model's KL grows much faster with the step than the tiny
+#: policy's; the KL controller rescales a ratio that is off, and α in the progress output
+#: shows by how much). Task, KL budget and the rest are the plain defaults. ``--recipe none``
+#: is the paper's update.
+MODEL = Recipe(
+    name="model",
+    description="any --model (the default with --model): the embedded recipe's LoGRA update, rank from the "
+                "model's width",
+    values={
+        "logra.optimizer": "adam", "logra.beta1": 0.9, "logra.refresh": False, "logra.trust_ratio": "layer",
+        "logra.update_ratio": 1e-4,
+    },
+    rank_from_width=True,
+)
 #: Recipes by name (``logra train --recipe NAME``).
-RECIPES: dict[str, Recipe] = {r.name: r for r in (EMBEDDED, SMOLLM2_135M)}
+RECIPES: dict[str, Recipe] = {r.name: r for r in (EMBEDDED, SMOLLM2_135M, MODEL)}
 
 
 def flat_fields(cls: type = RLConfig, prefix: str = "") -> dict[str, dataclasses.Field]:
@@ -314,7 +351,21 @@ def config_from(values: dict[str, Any], base: RLConfig | None = None) -> RLConfi
 
 
 def recipe_config(name: str = "embedded", **changes: Any) -> RLConfig:
-    """The `RLConfig` of recipe ``name`` with dotted-key ``changes`` (``**{"logra.rank": 64}``)."""
+    """The `RLConfig` of recipe ``name`` with dotted-key ``changes`` (``**{"logra.rank": 64}``).
+
+    Raises:
+        ValueError: an unknown recipe; a recipe that sets the rank from the model's width
+            without a ``model``, or with a model whose config cannot be read.
+    """
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; recipes: {sorted(RECIPES)}")
-    return config_from({**RECIPES[name].settings(changes.get("task")), **changes})
+    recipe = RECIPES[name]
+    settings = recipe.settings(changes.get("task"))
+    if recipe.rank_from_width and "logra.rank" not in changes:
+        model = changes.get("model", settings.get("model"))
+        if not model:
+            raise ValueError(f"recipe {name!r} sets the rank from the model's width: give a model")
+        from .pretrained import model_width
+
+        settings["logra.rank"] = rank_for_width(model_width(model))
+    return config_from({**settings, **changes})

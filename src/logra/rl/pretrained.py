@@ -75,6 +75,34 @@ def resolve_model(model: str) -> str:
     return str(path)
 
 
+def model_width(model: str) -> int:
+    """The width (``hidden_size``) of ``RLConfig.model``, read from its config without its weights.
+
+    ``model`` is anything `resolve_model` takes: a folder, a hub name, a ``.gguf`` file or a
+    `NAMED_MODELS` name.
+
+    Raises:
+        ValueError: no config transformers can read there, or one without ``hidden_size``.
+    """
+    from transformers import AutoConfig
+
+    source = resolve_model(model)
+    try:
+        if source.endswith(".gguf"):
+            require("gguf")
+            path = Path(source)
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            config = AutoConfig.from_pretrained(source)
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(f"--model {model!r} has no model config transformers can read: {e}") from e
+    config = config.get_text_config()  # a multimodal config keeps its language model's apart
+    width = getattr(config, "hidden_size", None)
+    if not isinstance(width, int) or width <= 0:
+        raise ValueError(f"--model {model!r}: its config ({type(config).__name__}) has no hidden_size")
+    return width
+
+
 def _digest(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
