@@ -239,6 +239,11 @@ class Recipe:
 #: moment and an element-wise second moment of the sketch entries and a per-layer trust
 #: ratio. `--logra.optimizer row_adam --logra.beta1 0 --logra.refresh true
 #: --logra.trust_ratio global` is the paper's update.
+#: Our LoGRA update (docs/learning.md): one projection per layer for the run, first and
+#: element-wise second moments of the sketch entries, a per-layer trust ratio.
+_OUR_UPDATE: dict[str, Any] = {
+    "logra.beta1": 0.9, "logra.optimizer": "adam", "logra.refresh": False, "logra.trust_ratio": "layer",
+}
 EMBEDDED = Recipe(
     name="embedded",
     description="tiny Qwen2 policy, warm-started and cached, then LoGRA RL on chain_sum (no network)",
@@ -246,7 +251,7 @@ EMBEDDED = Recipe(
         "model": "", "task": "chain_sum", "extract": "full", "instruction": "", "max_new_tokens": 16,
         "micro_batch": 256,
         "logra.rank": 48, "logra.update_ratio": 3e-3, "logra.non_target": "sketch", "logra.non_target_lr": 1e-4,
-        "logra.beta1": 0.9, "logra.optimizer": "adam", "logra.refresh": False, "logra.trust_ratio": "layer",
+        **_OUR_UPDATE,
         "kl.budget": 1e-3, "kl.budget_final": 1e-4, "kl.schedule_steps": 0, "kl.probe_responses": 32,
     },
     task_values={
@@ -269,8 +274,7 @@ SMOLLM2_135M = Recipe(
         "task": "chain_sum",
         "updates": 40, "prompts_per_update": 16, "responses_per_prompt": 4, "micro_batch": 16,
         "eval_every": 20, "eval_problems": 100, "eval_samples": 4, "checkpoint_every": 20,
-        "logra.rank": 96, "logra.update_ratio": 1e-4, "logra.beta1": 0.9, "logra.optimizer": "adam",
-        "logra.refresh": False, "logra.trust_ratio": "layer",
+        "logra.rank": 96, "logra.update_ratio": 1e-4, **_OUR_UPDATE,
         "kl.budget": 1e-3, "kl.budget_final": 1e-4, "kl.schedule_steps": 0, "kl.probe_responses": 8,
     },
     task_values={"task_config": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1},
@@ -303,10 +307,7 @@ MODEL = Recipe(
     name="model",
     description="any --model (the default with --model): the embedded recipe's LoGRA update, rank from the "
                 "model's width",
-    values={
-        "logra.optimizer": "adam", "logra.beta1": 0.9, "logra.refresh": False, "logra.trust_ratio": "layer",
-        "logra.update_ratio": 1e-4,
-    },
+    values={**_OUR_UPDATE, "logra.update_ratio": 1e-4},
     rank_from_width=True,
 )
 #: Recipes by name (``logra train --recipe NAME``).
