@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import math
+import types
 
 import pytest
 import torch
+from torch import nn
 
 from conftest import checkpoint, tiny_qwen2, token_batch
 from logra import (
@@ -19,6 +21,7 @@ from logra import (
     probe_logits,
     realized_kl,
 )
+from logra.kl import controlled_update
 
 
 def _setup(ratio=1e-2, **cfg):
@@ -92,6 +95,79 @@ def test_controller_rules():
     clone = KLController()
     clone.load_state_dict(ctl.state_dict())
     assert clone.state_dict() == ctl.state_dict()
+
+
+def test_guard_backtracking_rule():
+    ctl = KLController(budget=2e-4, schedule="constant", max_backtracks=2)
+    assert ctl.scale(8e-4, 0) == pytest.approx(0.5)
+    assert ctl.backtrack(0.5, 4e-4) is None  # exactly twice the budget is accepted
+    assert ctl.backtrack(0.5, 8e-4) == pytest.approx(0.25)  # α·sqrt(B / KL)
+    assert ctl.last["backtracks"] == 1 and ctl.last["expected_kl"] == pytest.approx(8e-4 * 0.25**2)
+    assert ctl.backtrack(0.25, 1.8e-3) == pytest.approx(0.25 / 3)
+    assert ctl.backtrack(0.25 / 3, 1.0) is None  # max_backtracks reached: the step is taken
+    off = KLController(budget=2e-4, schedule="constant", overshoot_limit=0)
+    off.scale(8e-4, 0)
+    assert off.backtrack(0.5, 1.0) is None
+    for bad in [dict(overshoot_limit=0.5), dict(overshoot_limit=float("inf")), dict(max_backtracks=-1)]:
+        with pytest.raises(ValueError):
+            KLController(**bad)
+
+
+class _BiasPolicy(nn.Module):
+    """Logits = a fixed random table of the input token + a bias: moving one token's bias is a
+    pure logit shift, whose exact KL is ``log(1 - p_t + p_t·e^α) - α·p_t`` per position."""
+
+    def __init__(self, vocab: int = 64) -> None:
+        super().__init__()
+        self.table = nn.Embedding(vocab, vocab)
+        with torch.no_grad():
+            self.table.weight.copy_(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)))
+        self.bias = nn.Parameter(torch.zeros(vocab))
+
+    def forward(self, input_ids, attention_mask=None):
+        return types.SimpleNamespace(logits=self.table(input_ids) + self.bias)
+
+
+@pytest.mark.parametrize("limit", [0.0, 2.0])
+def test_guard_catches_a_step_the_second_order_prediction_underestimates(limit):
+    """A rare token's logit raised: the KL grows exponentially in α, so the α sized by the
+    second-order prediction overshoots the budget several-fold; the guard measures the exact
+    KL before applying and shrinks the step until it is within twice the budget."""
+    torch.manual_seed(0)
+    model = _BiasPolicy()
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(1))
+    probe = (ids, torch.ones_like(ids), torch.ones_like(ids))
+    with torch.no_grad():
+        p = torch.softmax(model(ids).logits[:, :-1].double(), -1)
+    token = int(p.mean((0, 1)).argmin())  # the rarest token on average
+    proposal = DenseProposal(model, {model.bias: torch.nn.functional.one_hot(torch.tensor(token), 64).float()})
+    budget = 0.05
+    ctl = KLController(budget=budget, schedule="constant", alpha_max=1e6, overshoot_limit=limit)
+    _, stats = controlled_update(model, proposal, proposal.apply, ctl, 0, probe)
+
+    def exact(alpha):  # the reference formula, over the probe positions
+        pt = p[..., token]
+        return float((torch.log(1 - pt + pt * math.exp(alpha)) - alpha * pt).mean())
+
+    assert stats["realized_kl"] == pytest.approx(exact(stats["alpha"]), rel=1e-5)
+    assert stats["predicted_kl"] * stats["alpha"] ** 2 == pytest.approx(stats["expected_kl"])
+    if limit == 0:  # the paper's controller: the scenario is a real overshoot
+        assert stats["realized_kl"] > 3 * budget and "backtracks" not in stats
+    else:
+        assert stats["backtracks"] >= 1 and stats["realized_kl"] <= limit * budget
+        assert stats["guard_kl"] == pytest.approx(stats["realized_kl"], rel=1e-5)
+
+
+def test_guard_leaves_a_step_within_budget_unchanged():
+    model, opt, batch, response = _setup()
+    proposal = opt.propose()
+    probe = (batch["input_ids"], batch["attention_mask"], response)
+    kl_hat = predicted_kl(model, proposal, *probe)
+    ctl = KLController(budget=1e-5, schedule="constant", alpha_max=1e6)
+    _, stats = controlled_update(model, proposal, lambda a: opt.apply(proposal, a), ctl, 0, probe)
+    assert stats["backtracks"] == 0 and stats["alpha"] == pytest.approx(math.sqrt(1e-5 / kl_hat))
+    # the guard's forward at θ + α·Δθ is the policy the step produced (LoGRA's perturbed targets)
+    assert stats["guard_kl"] == pytest.approx(stats["realized_kl"], rel=1e-4)
 
 
 def test_probe_respects_masks_chunks_and_max_tokens():

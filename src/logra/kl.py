@@ -244,6 +244,11 @@ class KLController:
     policy and the trainer policy (an EMA with weight ``mismatch_ema``, clipped at 0) is
     subtracted from it, but never below ``mismatch_floor`` × the budget. The scale is
     ``α = min(alpha_max, sqrt(B_eff / KL̂))`` and 1 when ``KL̂ = 0``.
+
+    ``overshoot_limit`` and ``max_backtracks`` are the guard `controlled_update` applies
+    (ours, not the paper's): before the step is taken, its exact KL on the probe at ``α``
+    is measured, and while it exceeds ``overshoot_limit × B_eff`` the scale shrinks, at
+    most ``max_backtracks`` times. ``overshoot_limit=0`` turns the guard off.
     """
 
     def __init__(
@@ -255,6 +260,8 @@ class KLController:
         alpha_max: float = 3.0,
         mismatch_ema: float = 0.3,
         mismatch_floor: float = 0.5,
+        overshoot_limit: float = 2.0,
+        max_backtracks: int = 3,
     ) -> None:
         if schedule not in ("cosine", "constant"):
             raise ValueError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
@@ -263,9 +270,13 @@ class KLController:
             raise ValueError("budgets, alpha_max and schedule_steps must be positive")
         if not 0 < mismatch_ema <= 1 or not 0 <= mismatch_floor <= 1:
             raise ValueError("mismatch_ema must be in (0, 1] and mismatch_floor in [0, 1]")
+        if not (overshoot_limit == 0 or 1 <= overshoot_limit < math.inf) or max_backtracks < 0:
+            raise ValueError("overshoot_limit must be 0 (off) or in [1, inf), and max_backtracks >= 0; "
+                             f"got {overshoot_limit} and {max_backtracks}")
         self.budget, self.budget_final, self.schedule_steps = budget, budget_final, schedule_steps
         self.schedule, self.alpha_max = schedule, alpha_max
         self.mismatch_ema, self.mismatch_floor = mismatch_ema, mismatch_floor
+        self.overshoot_limit, self.max_backtracks = overshoot_limit, max_backtracks
         self.mismatch = 0.0
         self.last: dict[str, float] = {}
 
@@ -297,6 +308,22 @@ class KLController:
         }
         return alpha
 
+    def backtrack(self, alpha: float, exact_kl: float) -> float | None:
+        """The guard's next, smaller scale after measuring ``exact_kl`` at ``alpha``; None to accept.
+
+        The step is accepted when its exact KL is within ``overshoot_limit × B_eff`` (of the
+        update `scale` last sized), when the guard is off, or after ``max_backtracks``
+        shrinks. Otherwise ``α·sqrt(B_eff / exact_kl)``: the scale at which the KL would meet
+        the budget if it grew as ``α²``; a KL that grows faster ends below the budget.
+        """
+        b = self.last["effective_budget"]
+        tries = self.last.get("backtracks", 0)
+        if not self.overshoot_limit or exact_kl <= self.overshoot_limit * b or tries >= self.max_backtracks:
+            return None
+        alpha *= math.sqrt(b / exact_kl)
+        self.last.update(alpha=alpha, expected_kl=self.last["predicted_kl"] * alpha**2, backtracks=tries + 1)
+        return alpha
+
     def observe_mismatch(self, kl: float) -> None:
         """Feed the observed rollout-vs-trainer KL of completed responses (clipped at 0)."""
         if not math.isfinite(kl):
@@ -308,7 +335,8 @@ class KLController:
         return {
             "budget": self.budget, "budget_final": self.budget_final, "schedule_steps": self.schedule_steps,
             "schedule": self.schedule, "alpha_max": self.alpha_max, "mismatch_ema": self.mismatch_ema,
-            "mismatch_floor": self.mismatch_floor, "mismatch": self.mismatch,
+            "mismatch_floor": self.mismatch_floor, "overshoot_limit": self.overshoot_limit,
+            "max_backtracks": self.max_backtracks, "mismatch": self.mismatch,
         }
 
     def load_state_dict(self, state: dict[str, Any], settings: bool = False) -> None:
@@ -339,6 +367,10 @@ class KLControlConfig:
         alpha_max: largest scale (the step may grow up to this factor).
         mismatch_ema: EMA weight of the rollout-vs-trainer KL subtracted from the budget.
         mismatch_floor: the effective budget never drops below this fraction of the budget.
+        overshoot_limit: before a step is applied, its exact KL on the probe must be within
+            this multiple of the effective budget, or its scale shrinks (ours; 0 = off, the
+            paper's controller).
+        max_backtracks: at most this many shrinks per update (then the step is taken).
         probe_responses: responses of the batch used as probe data.
         probe_max_tokens: at most this many probe positions.
     """
@@ -351,6 +383,8 @@ class KLControlConfig:
     alpha_max: float = 3.0
     mismatch_ema: float = 0.3
     mismatch_floor: float = 0.5
+    overshoot_limit: float = 2.0
+    max_backtracks: int = 3
     probe_responses: int = 2
     probe_max_tokens: int = 4096
 
@@ -367,7 +401,8 @@ class KLControlConfig:
 
 
 _CONTROLLER_ARGS = frozenset(
-    ("budget", "budget_final", "schedule_steps", "schedule", "alpha_max", "mismatch_ema", "mismatch_floor"))
+    ("budget", "budget_final", "schedule_steps", "schedule", "alpha_max", "mismatch_ema", "mismatch_floor",
+     "overshoot_limit", "max_backtracks"))
 _T = TypeVar("_T")
 Probe = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]
 
@@ -391,23 +426,28 @@ def controlled_update(
     measure_realized: bool = True,
     reduce: Callable[[list[float]], list[float]] | None = None,
 ) -> tuple[_T, dict[str, float]]:
-    """One KL-controlled update: predicted KL of ``proposal`` → ``α`` → ``apply(α)`` → realised KL.
+    """One KL-controlled update: predicted KL of ``proposal`` → ``α`` → guard → ``apply(α)`` → realised KL.
 
     ``apply`` is what takes the step (``optimizer.apply(proposal, α)`` for LoGRA,
     ``proposal.apply(α)`` for a `DenseProposal`); its result is returned with the
     statistics. ``reduce`` sums lists of floats over data-parallel ranks, so every rank
     gets the same pooled prediction and ``α``; with it every rank takes part in the
     reductions, one without a probe adding nothing. Without a controller (or a probe on
-    any rank) ``α = 1``.
+    any rank) ``α = 1``. With the controller's guard on (``overshoot_limit`` > 0), the
+    step's exact KL on the probe at ``α`` is measured before it is applied, and ``α``
+    shrinks while it overshoots (`KLController.backtrack`).
 
     Returns:
-        ``(apply's result, stats)``; stats holds ``alpha``, ``time_kl`` and, where measured,
-        ``predicted_kl`` (the full proposal), ``expected_kl`` (after ``α``), ``budget``,
-        ``effective_budget``, ``mismatch``, ``realized_kl`` and ``time_check`` (the realised-KL
-        measurement alone).
+        ``(apply's result, stats)``; stats holds ``alpha`` (the applied scale), ``time_kl``,
+        ``time_guard`` and, where measured, ``predicted_kl`` (the full proposal),
+        ``expected_kl`` (its second-order KL at the applied ``α``), ``budget``,
+        ``effective_budget``, ``mismatch``, ``backtracks`` and ``guard_kl`` (the guard's shrinks
+        and the exact probe KL it accepted), ``realized_kl`` and ``time_check`` (the
+        realised-KL measurement alone).
 
     Raises:
-        KLPredictionError: a non-finite or negative prediction (nothing is applied).
+        KLPredictionError: a non-finite or negative prediction, or a non-finite exact KL
+            (nothing is applied).
     """
     pool = reduce or (lambda values: values)
     n = probe_count(probe[2], max_tokens) if probe is not None else 0
@@ -426,10 +466,16 @@ def controlled_update(
     stats["time_kl"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     measure = measure_realized and pooled
-    before = probe_logits(model, *probe, max_tokens=max_tokens) if measure and probe is not None else None
+    guard = controller is not None and controller.overshoot_limit > 0 and "effective_budget" in stats
+    before = probe_logits(model, *probe, max_tokens=max_tokens) if (measure or guard) and probe is not None \
+        else None
     t2 = time.perf_counter()
-    result = apply(alpha)
+    if guard:
+        alpha = _guard(model, proposal, controller, alpha, probe, before, n, pool, temperature, max_tokens, stats)
+    stats["time_guard"] = time.perf_counter() - t2
     t3 = time.perf_counter()
+    result = apply(alpha)
+    t4 = time.perf_counter()
     if measure:
         real = 0.0
         if before is not None:
@@ -437,6 +483,46 @@ def controlled_update(
         real_sum, n_sum = pool([real, n])
         if n_sum > 0:
             stats["realized_kl"] = real_sum / n_sum
-        stats["time_check"] = (t2 - t1) + (time.perf_counter() - t3)
+        stats["time_check"] = (t2 - t1) + (time.perf_counter() - t4)
     stats["alpha"] = alpha
     return result, stats
+
+
+def _guard(
+    model: nn.Module,
+    proposal: Displacement,
+    controller: KLController,
+    alpha: float,
+    probe: Probe | None,
+    before: torch.Tensor | None,
+    n: int,
+    pool: Callable[[list[float]], list[float]],
+    temperature: float,
+    max_tokens: int,
+    stats: dict[str, float],
+) -> float:
+    """The overshoot guard: the exact probe KL of the step at ``α`` before it is taken, and
+    smaller ``α`` while it exceeds the controller's limit (`KLController.backtrack`).
+
+    The second-order prediction fails where a step moves a logit far (a rare token made
+    likely: the KL grows exponentially, not as ``α²``); the exact KL along ``θ + α·Δθ``
+    catches that before any weight changes. Every rank pools every measurement, so all
+    take the same decisions.
+    """
+    stats["backtracks"] = 0
+    device = before.device if before is not None else None
+    while True:
+        kl = 0.0
+        if before is not None:
+            with proposal.perturbed(torch.tensor(alpha, device=device)):
+                kl = realized_kl(before, probe_logits(model, *probe, max_tokens=max_tokens), temperature) * n
+        kl_sum, n_sum = pool([kl, n])
+        exact = kl_sum / n_sum
+        if not math.isfinite(exact):
+            raise KLPredictionError(f"the step's exact KL on the probe is {exact}; refusing it")
+        smaller = controller.backtrack(alpha, exact)
+        if smaller is None:
+            stats.update(controller.last)
+            stats["guard_kl"] = exact
+            return alpha
+        alpha = smaller

@@ -46,9 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.updates):
         r = trainer.train_step()
         trainer.log.write(r)
-        step = r["time_update"] - r["time_kl"] - r["time_check"]
+        guard = r.get("time_guard", 0.0)
+        step = r["time_update"] - r["time_kl"] - r["time_check"] - guard
         rows.append((r["update"], r["expected_kl"], r["realized_kl"], r["alpha"], r["effective_budget"], r["time_kl"],
-                     step))
+                     step, guard, r.get("backtracks", 0)))
         print(f"update {r['update']:3d}: predicted {r['expected_kl']:.3e}  realised {r['realized_kl']:.3e}  "
               f"α {r['alpha']:.2f}", file=sys.stderr)
     print(format_table(rows, args))
@@ -59,23 +60,26 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_table(rows: list[tuple], args: argparse.Namespace) -> str:
     """Markdown: per-update predictions, then the median error and probe cost against the targets."""
-    lines = ["| update | predicted KL | realised KL | ratio | α | budget | probe s | step s |", "|" + "---|" * 8]
-    errors, fractions = [], []
-    for u, pred, real, alpha, budget, t_kl, t_step in rows:
+    lines = ["| update | predicted KL | realised KL | ratio | α | backtracks | budget | probe s | guard s | step s |",
+             "|" + "---|" * 10]
+    errors, fractions, guards = [], [], []
+    for u, pred, real, alpha, budget, t_kl, t_step, t_guard, backtracks in rows:
         ratio = pred / real if real > 0 else float("nan")
         if real > 0:
             errors.append(abs(ratio - 1))
         fractions.append(t_kl / t_step)
-        lines.append(f"| {u} | {pred:.3e} | {real:.3e} | {ratio:.3f} | {alpha:.2f} | {budget:.2e} | "
-                     f"{t_kl:.3f} | {t_step:.3f} |")
+        guards.append(t_guard / t_step)
+        lines.append(f"| {u} | {pred:.3e} | {real:.3e} | {ratio:.3f} | {alpha:.2f} | {backtracks} | {budget:.2e} | "
+                     f"{t_kl:.3f} | {t_guard:.3f} | {t_step:.3f} |")
     median_err = statistics.median(errors) if errors else float("nan")
     cost = statistics.median(fractions)
     lines += [
         "",
         f"{args.optimizer} optimizer, {len(rows)} consecutive updates; 'step s' = rollout + loss/backward + "
-        "proposal + apply (the probe and the realised-KL check excluded).",
+        "proposal + apply (the probe, the overshoot guard and the realised-KL check excluded).",
         f"median |predicted/realised - 1| = {median_err:.4f} over {len(errors)} updates with realised KL > 0",
-        f"median probe cost = {cost:.3f} × the training step",
+        f"median probe cost = {cost:.3f} × the training step; the guard's = {statistics.median(guards):.3f} × "
+        f"(it shrank {sum(r[8] > 0 for r in rows)} of {len(rows)} steps)",
         f"{'PASS' if median_err <= 0.05 else 'FAIL'}: median error ≤ 5%",
         f"{'PASS' if cost <= 0.25 else 'FAIL'}: probe cost ≤ 25% of a training step",
     ]

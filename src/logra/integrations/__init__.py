@@ -34,7 +34,7 @@ __all__ = ["KLControlledLoGRA", "LoGRAGRPOTrainer"]
 
 #: Keys of `KLControlledLoGRA.last_stats` (``None`` values are left out).
 STAT_KEYS: tuple[str, ...] = (
-    "predicted_kl", "alpha", "budget", "effective_budget", "expected_kl", "realized_kl",
+    "predicted_kl", "alpha", "budget", "effective_budget", "expected_kl", "backtracks", "guard_kl", "realized_kl",
     "sketch_norm", "update_norm",
 )
 

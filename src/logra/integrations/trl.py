@@ -26,10 +26,10 @@ How it hooks in (TRL 1.x / transformers 5.x):
 - After each step the LoGRA statistics go into TRL's metrics dict, so they are
   averaged and logged with TRL's own keys: ``logra/predicted_kl``, ``logra/alpha``,
   ``logra/budget``, ``logra/effective_budget``, ``logra/expected_kl``,
-  ``logra/realized_kl``, ``logra/sketch_norm``, ``logra/update_norm``. TRL's
-  ``grad_norm`` is the norm of the sketched gradient ``sqrt(Σ‖S A‖² + Σ‖g_dense‖²)``
-  (the quantity ``LoGRAConfig.max_grad_norm`` clips), since the sketched weights have
-  no ``.grad`` for HF to measure.
+  ``logra/backtracks``, ``logra/guard_kl``, ``logra/realized_kl``, ``logra/sketch_norm``,
+  ``logra/update_norm``. TRL's ``grad_norm`` is the norm of the sketched gradient
+  ``sqrt(Σ‖S A‖² + Σ‖g_dense‖²)`` (the quantity ``LoGRAConfig.max_grad_norm`` clips), since
+  the sketched weights have no ``.grad`` for HF to measure.
 - Checkpoints: HF saves ``optimizer.state_dict()`` to ``optimizer.pt``; the LoGRA
   state (update count, RowAdam second moments, non-target AdamW state, KL controller)
   is in it, and ``train(resume_from_checkpoint=...)`` restores it. Projections are
