@@ -504,10 +504,10 @@ def _guard(
     """The overshoot guard: the exact probe KL of the step at ``α`` before it is taken, and
     smaller ``α`` while it exceeds the controller's limit (`KLController.backtrack`).
 
-    The second-order prediction fails where a step moves a logit far (a rare token made
-    likely: the KL grows exponentially, not as ``α²``); the exact KL along ``θ + α·Δθ``
-    catches that before any weight changes. Every rank pools every measurement, so all
-    take the same decisions.
+    The second-order prediction assumes logits that move linearly with ``α`` and a softmax
+    in its quadratic regime; a step that bends the logits (their change grows faster than
+    ``α``) has a KL far above it. The exact KL along ``θ + α·Δθ`` catches that before any
+    weight changes. Every rank pools every measurement, so all take the same decisions.
     """
     stats["backtracks"] = 0
     device = before.device if before is not None else None
