@@ -136,7 +136,8 @@ def train_digest(tmp: Path) -> str:
     digest of its final checkpointed weights."""
     from logra.rl.cli import main as train_main
 
-    argv = ["--updates", "3", "--prompts_per_update", "2", "--responses_per_prompt", "2", "--eval_problems", "2",
+    argv = ["--updates", "3", "--algorithm", "grpo", "--prompts_per_update", "2", "--responses_per_prompt", "2",
+            "--eval_problems", "2",
             "--eval_every", "0", "--checkpoint_every", "0", "--kl.probe_responses", "2", "--logra.rank", "4",
             "--logra.non_target", "freeze", "--tiny.sft_steps", "2", "--tiny.sft_batch_size", "2",
             "--tiny.num_demonstrations", "8", "--max_new_tokens", "6", "--quiet",
