@@ -456,17 +456,19 @@ def controlled_update(
     t0 = time.perf_counter()
     # With `reduce`, a rank without a probe still joins the collectives (or the others would wait forever).
     pooled = probe is not None or reduce is not None
+    sized = False  # the controller sized this update (some rank had probe positions)
     if controller is not None and pooled:
         kl = 0.0 if probe is None else predicted_kl(
             model, proposal, *probe, temperature=temperature, max_tokens=max_tokens, chunk=chunk)
         kl_sum, n_sum = pool([kl * n, n])
-        if n_sum > 0:
+        sized = n_sum > 0
+        if sized:
             alpha = controller.scale(kl_sum / n_sum, step)
             stats.update(controller.last)
     stats["time_kl"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     measure = measure_realized and pooled
-    guard = controller is not None and controller.overshoot_limit > 0 and "effective_budget" in stats
+    guard = sized and controller.overshoot_limit > 0
     before = probe_logits(model, *probe, max_tokens=max_tokens) if (measure or guard) and probe is not None \
         else None
     t2 = time.perf_counter()
