@@ -256,6 +256,28 @@ def test_chunked_logprobs_equal_full_logits_and_give_the_same_sketches(non_targe
         assert float(torch.linalg.vector_norm(sketches[1][name] - full)) <= 1e-5 * float(torch.linalg.vector_norm(full))
 
 
+def test_rollout_logprobs_are_the_tempered_policys_at_every_response_token():
+    """The log-probs a rollout records (step by step, left-padded prompts of several lengths)
+    equal log-softmax(logits / T) of a full forward pass over each unpadded sequence."""
+    from logra.rl.rollout import generate_rollouts
+
+    model, tok = _policy()
+    torch.manual_seed(3)
+    rollout = generate_rollouts(model, tok, ["1 + 2 =", "10 + 20 + 30 =", "7 ="] * 3, temperature=0.7,
+                                max_new_tokens=5, batch_size=4)
+    checked = 0
+    for i in range(len(rollout)):
+        n = int(rollout.attention_mask[i].sum())
+        ids = rollout.input_ids[i, :n][None]
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].float()
+        expected = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        resp = rollout.response_mask[i, 1:n].bool()
+        torch.testing.assert_close(rollout.logprobs[i, 1:n][resp], expected[resp], rtol=1e-5, atol=1e-5)
+        checked += int(resp.sum())
+    assert checked > len(rollout)  # more than one token per response was compared
+
+
 def test_logprobs_of_a_model_that_transforms_its_logits_are_the_models():
     """Gemma 2 soft-caps its logits after the head: the log-probs must be those of its logits."""
     from transformers import Gemma2Config, Gemma2ForCausalLM

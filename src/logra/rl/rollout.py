@@ -116,8 +116,11 @@ def generate_rollouts(
             )
             width = enc["input_ids"].shape[1]
             new = out.sequences[:, width:]
-            logits = torch.stack(out.logits, dim=1).float() / temperature
-            lp = torch.log_softmax(logits, -1).gather(-1, new[..., None]).squeeze(-1)
+            # One step at a time: stacking every step's logits, then tempering and normalising them,
+            # holds three more `[batch, steps, vocab]` copies beside generate's own. At SmolLM2's 49k
+            # vocabulary (64 responses of up to 24 tokens) that was the rollout's peak, 0.5 GiB above this.
+            lp = torch.stack([torch.log_softmax(step.float() / temperature, -1).gather(-1, new[:, t, None])[:, 0]
+                              for t, step in enumerate(out.logits)], dim=1)
             for i in range(new.shape[0]):
                 prompt = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
                 resp = new[i].tolist()
