@@ -1,11 +1,14 @@
 """Peak tensor memory of one RL update, phase by phase, from PyTorch's memory profiler.
 
 On a CPU, `logra train` reports the process's peak RSS: the allocator's high-water mark,
-which includes memory it keeps after tensors are freed and so can rank two optimizers the
-wrong way round. This script runs ``--warmup`` updates of a `logra train` configuration, then
+which also counts the runtime and memory kept after tensors are freed, and so blurs the
+differences between optimizers. This script runs ``--warmup`` updates of a `logra train` configuration, then
 profiles one more with ``torch.profiler`` and prints the peak of live tensor memory in each
 phase of that update (rollout, loss and backward, step), split into the profiler's categories
-(parameters, optimizer state, gradients, activations, ...).
+(parameters, optimizer state, gradients, activations, ...). `logra.memory.track_memory` gives
+one peak over a whole region; the phases of a single update need the profiler's timeline. The
+profiler does not know LoGRA's own buffers (sketches, moments, projections): they count as
+"unknown".
 
     python scripts/phase_memory.py --recipe smollm2-135m --set optimizer=adamw lr=1e-5
     python scripts/phase_memory.py --set prompts_per_update=64 --warmup 1
