@@ -2,13 +2,13 @@
 
 On a CPU, `logra train` reports the process's peak RSS: the allocator's high-water mark,
 which also counts the runtime and memory kept after tensors are freed, and so blurs the
-differences between optimizers. This script runs ``--warmup`` updates of a `logra train` configuration, then
-profiles one more with ``torch.profiler`` and prints the peak of live tensor memory in each
-phase of that update (rollout, loss and backward, step), split into the profiler's categories
-(parameters, optimizer state, gradients, activations, ...). `logra.memory.track_memory` gives
-one peak over a whole region; the phases of a single update need the profiler's timeline. The
-profiler does not know LoGRA's own buffers (sketches, moments, projections): they count as
-"unknown".
+differences between optimizers. This script runs ``--warmup`` updates of a `logra train`
+configuration, then profiles one more with ``torch.profiler`` and prints the peak of live
+tensor memory in each phase of that update (rollout, loss and backward, step), split into
+the profiler's categories (parameters, optimizer state, gradients, activations, ...).
+`logra.memory.track_memory` gives one peak over a whole region; the phases of a single
+update need the profiler's timeline. The profiler does not know LoGRA's own buffers
+(sketches, moments, projections): they count as "unknown".
 
     python scripts/phase_memory.py --recipe smollm2-135m --set optimizer=adamw lr=1e-5
     python scripts/phase_memory.py --set prompts_per_update=64 --warmup 1
@@ -40,6 +40,8 @@ def main() -> None:
                    help="`logra train` settings as dotted keys, e.g. optimizer=adamw kl.probe_responses=16")
     p.add_argument("--warmup", type=int, default=1, help="updates before the profiled one (optimizer state exists)")
     args = p.parse_args()
+    if bad := [item for item in args.set if "=" not in item]:
+        p.error(f"--set takes KEY=VALUE pairs, not {' '.join(bad)}")
     values = dict(item.split("=", 1) for item in args.set)
     values = {"eval_every": "0", "checkpoint_every": "0", "run_dir": "runs/phase-memory", **values}
     trainer = RLTrainer(build_config(values, args.recipe), progress=False)
