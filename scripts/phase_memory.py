@@ -24,10 +24,10 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
+from logra.memory import GIB
 from logra.rl import RLTrainer
 from logra.rl.cli import build_config
 
-GIB = 2**30
 # the order of the categories in `export_memory_timeline`'s rows (after an uncategorised first entry)
 CATEGORIES = ("parameter", "optimizer state", "input", "temporary", "activation", "gradient", "autograd detail",
               "unknown")
