@@ -42,7 +42,11 @@ def main() -> None:
     for label, runs in groups.items():
         print(f"- {label}: " + ", ".join(f"seed {r.seed} {r.run_dir}" for r in runs))
     print()
-    print(format_paired_table(paired_rows(groups, reference), reference))
+    try:
+        rows = paired_rows(groups, reference)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    print(format_paired_table(rows, reference))
     print()
     print("\n".join(learning_lines(groups)))
     extra = (("realized_kl", "realized KL per update", True, 10), ("alpha", "α (step scale)", True, 10))

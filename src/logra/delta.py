@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,9 +181,15 @@ def set_policy_step(model: nn.Module, step: int) -> None:
     setattr(model, _STEP_ATTR, step)
 
 
-def weights_checksum(model: nn.Module, names: list[str] | None = None) -> str:
-    """BLAKE2 digest of the named parameters' bytes (all parameters if ``names`` is None)."""
-    params = {stable_name(n): p for n, p in model.named_parameters()}
+def weights_checksum(model: nn.Module | Mapping[str, torch.Tensor], names: list[str] | None = None) -> str:
+    """BLAKE2 digest of the named parameters' bytes (all parameters if ``names`` is None).
+
+    Names are stable names (wrapper prefixes removed) and are digested in sorted order, so a
+    mapping of name → tensor, such as a safetensors file's contents, digests like the model it
+    was saved from when it holds the same tensors in the same dtype.
+    """
+    items = model.named_parameters() if isinstance(model, nn.Module) else model.items()
+    params = {stable_name(n): p for n, p in items}
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(names if names is not None else params):
         t = params[name].detach()

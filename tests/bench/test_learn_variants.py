@@ -11,14 +11,14 @@ import pytest
 from logra.bench import learn
 
 
-def _fake_run(run_dir: Path, start: float, final: float, alpha: float = 0.5) -> None:
+def _fake_run(run_dir: Path, start: float, final: float, alpha: float = 0.5, checksum: str | None = None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     rows = [{"kind": "eval", "update": 0, "pass@1": start, "pass@1_stderr": 0.01, "pass@4": start},
             {"kind": "train", "update": 0, "alpha": alpha, "realized_kl": 1e-3, "reward": 0.3, "time_update": 1.0,
              "peak_rss_gib": 0.5},
             {"kind": "eval", "update": 1, "pass@1": final, "pass@1_stderr": 0.01, "pass@4": final}]
     (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    (run_dir / "summary.json").write_text("{}")
+    (run_dir / "summary.json").write_text(json.dumps({"policy": {"checksum": checksum}} if checksum else {}))
     (run_dir / "config.json").write_text(json.dumps({
         "task": "chain_sum", "algorithm": "grpo", "prompts_per_update": 32, "responses_per_prompt": 8,
         "eval_samples": 8, "logra": {"rank": 48, "update_ratio": 3e-3},
@@ -44,6 +44,22 @@ def test_paired_rows_are_per_seed_differences(tmp_path):
     assert "diff" not in rows["LoGRA"]
     table = learn.format_paired_table(list(rows.values()), "LoGRA")
     assert "+3.0 ±" in table and "momentum" in table
+
+
+def test_runs_of_one_seed_from_different_starting_weights_are_not_paired(tmp_path):
+    """One cache key gives other warm starts on other machines or thread counts: the recorded
+    checksums of the starting weights decide, and runs of older versions (none recorded) pass."""
+    def group(label, checksums):
+        runs = []
+        for seed, checksum in enumerate(checksums):
+            _fake_run(tmp_path / f"{label}-s{seed}", 0.3, 0.35, checksum=checksum)
+            runs.append(learn.read_run(tmp_path / f"{label}-s{seed}", label, seed))
+        return runs
+
+    reference = group("LoGRA", ["aa" * 16, "aa" * 16, None])
+    assert learn.paired_rows({"LoGRA": reference, "same": group("same", ["aa" * 16, None, "bb" * 16])}, "LoGRA")
+    with pytest.raises(ValueError, match="seed 1.*started from different weights"):
+        learn.paired_rows({"LoGRA": reference, "other": group("other", ["aa" * 16, "bb" * 16, None])}, "LoGRA")
 
 
 def test_variant_rows_run_their_flags(tmp_path, monkeypatch, capsys):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from logra import cli
+from logra import cli, weights_checksum
 from logra.bench.spectrum import ENERGY, accumulated_updates, main, spectrum_stats, warm_start_path
 from logra.rl.cli import main as train_main
 
@@ -111,6 +111,13 @@ def test_lora_update_is_scaled_b_times_a(runs):
         assert torch.linalg.matrix_rank(delta) <= RANK
 
 
+def test_a_run_records_the_checksum_of_the_weights_it_started_from(runs):
+    for run in (runs["logra"], runs["lora"]):
+        recorded = json.loads((run / "summary.json").read_text())["policy"]["checksum"]
+        assert recorded == weights_checksum(load_file(runs["w0"]))
+        assert recorded != weights_checksum(load_file(run / "checkpoint" / "model.safetensors"))  # it moved
+
+
 def test_the_warm_start_key_is_recomputed_without_a_summary(runs, tmp_path):
     # the run records its cache entry; with summary.json gone the trainer's own key
     # functions must find the same one
@@ -180,7 +187,8 @@ def test_refusals_are_one_line(runs, tmp_path):
         save_file(tensors, run / "checkpoint" / "model.safetensors")
         refused([str(run)], match)
 
-    # a run that started elsewhere cannot be paired with the reference
+    # a cache entry that is not what the run started from (rebuilt since, or another
+    # machine's): the run's recorded checksum refuses it
     other = tmp_path / "other"
     shutil.copytree(runs["logra"], other)
     cache = tmp_path / "cache" / runs["w0"].parent.name
@@ -190,6 +198,11 @@ def test_refusals_are_one_line(runs, tmp_path):
     save_file(w0, cache / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "cache_dir": str(tmp_path / "cache")}))
-    assert main([str(other), "--out-dir", str(tmp_path)]) == 0  # alone it is fine
+    refused([str(other)], "does not hold the weights")
+    refused([str(runs["logra"]), "--base", str(cache)], "does not hold the weights")
+    # without the record (a run of an older version) it reads alone, but cannot be paired
+    # with a run that started elsewhere
+    (other / "summary.json").unlink()
+    assert main([str(other), "--out-dir", str(tmp_path)]) == 0
     refused([str(other), "--reference", str(runs["logra"])], "started from different weights")
     refused([str(runs["logra"]), "--base", str(tmp_path / "missing")], "do not exist")

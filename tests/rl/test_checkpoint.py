@@ -112,6 +112,28 @@ def test_damaged_state_is_refused_before_the_model_changes(run):
     assert torch.equal(torch.random.get_rng_state(), rng)
 
 
+def test_a_resume_over_another_warm_start_keeps_the_record_and_refuses_a_kl_reference(tmp_path, monkeypatch):
+    """The cache entry rebuilt between start and resume (here: one weight changed): the
+    checkpoint still holds every weight, so a run without a KL reference resumes and its
+    summary still names the weights it started from; one whose KL penalty takes the starting
+    policy as its reference is refused before anything is loaded."""
+    monkeypatch.chdir(tmp_path)
+    runs = {"plain": [], "reference": ["--ref_kl_coef", "0.1"]}
+    for name, extra in runs.items():
+        assert train_main([*TINY, *extra, "--updates", "2", "--run_dir", str(tmp_path / name),
+                           "--cache_dir", str(tmp_path / "cache")]) == 0
+    started = json.loads((tmp_path / "plain" / "summary.json").read_text())["policy"]["checksum"]
+    (entry,) = (tmp_path / "cache").iterdir()
+    weights = load_file(entry / "model.safetensors")
+    weights["model.norm.weight"] += 1.0
+    save_file(weights, entry / "model.safetensors", metadata={"format": "pt"})
+
+    assert train_main(["--resume", str(tmp_path / "plain"), "--updates", "3", "--quiet"]) == 0
+    policy = json.loads((tmp_path / "plain" / "summary.json").read_text())["policy"]
+    assert policy["checksum"] == started != logra.weights_checksum(weights)
+    assert "started from weights" in _resume_refused(tmp_path / "reference", "state.pt")
+
+
 def test_second_resume_of_a_finished_run_adds_no_evaluation(run):
     rows = _rows(run)
     assert [r["update"] for r in rows if r["kind"] == "eval"] == [0, 3]

@@ -70,6 +70,8 @@ class RunResult:
         run_dir: its run directory.
         evals: evaluation rows (``update``, ``pass@1``, ``pass@1_stderr``, ``pass@4``, ...).
         train: per-update rows (``reward``, ``realized_kl``, ``alpha``, ``time_update``, ...).
+        start_checksum: `weights_checksum` of the policy the run started from, as its
+            ``summary.json`` records it (None for runs of older versions or unfinished ones).
     """
 
     label: str
@@ -77,6 +79,7 @@ class RunResult:
     run_dir: Path
     evals: list[dict[str, Any]] = field(default_factory=list)
     train: list[dict[str, Any]] = field(default_factory=list)
+    start_checksum: str | None = None
 
     @property
     def peak_eval(self) -> dict[str, Any]:
@@ -140,6 +143,10 @@ def read_run(run_dir: str | Path, label: str, seed: int) -> RunResult:
                        [r for r in rows if r.get("kind") == "train"])
     if not result.evals:
         raise ValueError(f"{path} has no evaluation rows")
+    try:
+        result.start_checksum = json.loads((run_dir / "summary.json").read_text())["policy"]["checksum"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
     return result
 
 
@@ -241,8 +248,25 @@ def _gain_se(runs: Sequence[RunResult], values: Sequence[float]) -> float:
 def paired_rows(groups: dict[str, Sequence[RunResult]], reference: str | None) -> list[dict[str, Any]]:
     """Per group: paired Pass@1 gain (final − start, same seed = same warm start, problems and
     sampling) mean ± SE over seeds, and the paired difference of final Pass@1 vs ``reference``
-    over the seeds both ran (mean ± SE of the per-seed differences), plus mean α and KL."""
+    over the seeds both ran (mean ± SE of the per-seed differences), plus mean α and KL.
+
+    Raises:
+        ValueError: two runs of one seed started from different weights (their recorded
+            ``start_checksum`` differ), so their difference would count the starting
+            policies' difference as the methods'. The embedded warm start of one cache key
+            differs between machines and thread counts; runs are paired within one cache.
+    """
     ref = {r.seed: r for r in groups.get(reference, [])} if reference else {}
+    for runs in groups.values():
+        for r in runs:
+            other = ref.get(r.seed)
+            if other is None or r.start_checksum is None or other.start_checksum is None:
+                continue  # unpaired, or a run of an older version (nothing recorded)
+            if r.start_checksum != other.start_checksum:
+                raise ValueError(f"{r.run_dir} and {other.run_dir} (seed {r.seed}) started from different weights "
+                                 f"({r.start_checksum[:12]} and {other.start_checksum[:12]}): a paired difference "
+                                 "would count their starting policies' difference as the methods'; run both "
+                                 "from one warm-start cache")
     rows = []
     for label, runs in groups.items():
         gains = [r.final_pass1 - r.start_pass1 for r in runs]
@@ -615,7 +639,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, flags in variants.items():
             print(f"- {name}: `logra train {' '.join(map(shlex.quote, flags))}`")
         print()
-    paired = paired_rows(groups, reference)
+    try:
+        paired = paired_rows(groups, reference)
+    except ValueError as e:
+        parser.error(str(e))
     print(f"Paired Pass@1 (final − start; same seed = same warm start, problems and samples), mean ± SE over seeds; "
           f"difference vs {reference} ± SE of the per-seed differences:\n")
     print(format_paired_table(paired, reference))

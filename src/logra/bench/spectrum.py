@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ..delta import weights_checksum
 from ..projection import stable_name
 from ..sketch import DECODER_LINEAR, find_targets
 
@@ -96,6 +97,14 @@ def _warm_start_key(run_dir: Path, config: dict[str, Any]) -> str:
     return rl.tiny.cache_key(warm_start_data_key(rl, build_task(rl)))
 
 
+def _start_checksum(run_dir: Path) -> str | None:
+    """`weights_checksum` of the policy the run started from, as its ``summary.json`` records it."""
+    try:
+        return str(json.loads((run_dir / "summary.json").read_text())["policy"]["checksum"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a run of an older version, or an unfinished one
+
+
 def warm_start_path(run_dir: str | Path) -> Path:
     """Where the weights the run started from are: its ``--model`` path, or the cache entry
     ``cache_dir/<key>`` of the embedded policy it warm-started (or loaded)."""
@@ -129,9 +138,10 @@ def _load(path: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
     return out
 
 
-def _target_names(arch_dirs: list[Path]) -> list[str]:
-    """Stable names of the `DECODER_LINEAR` weights of the architecture in the first of
-    ``arch_dirs`` with a Hugging Face ``config.json`` (built on the meta device: no memory)."""
+def _architecture(arch_dirs: list[Path]) -> tuple[list[str], list[str]]:
+    """Stable names of the `DECODER_LINEAR` weights and of all parameters (tied ones once) of
+    the architecture in the first of ``arch_dirs`` with a Hugging Face ``config.json`` (built
+    on the meta device: no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     for folder in arch_dirs:
@@ -139,7 +149,8 @@ def _target_names(arch_dirs: list[Path]) -> list[str]:
             try:
                 with torch.device("meta"):
                     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-                return list(find_targets(model, (DECODER_LINEAR,)))
+                return (list(find_targets(model, (DECODER_LINEAR,))),
+                        [stable_name(n) for n, _ in model.named_parameters()])
             except (ValueError, OSError, KeyError) as e:
                 raise _fail(f"cannot tell the decoder layers from {folder}/config.json: {e}") from None
     raise _fail(f"no model config.json in {', '.join(map(str, arch_dirs))}: cannot tell the decoder layers")
@@ -172,9 +183,16 @@ def _run_weights(run_dir: Path, base: str | Path | None = None
             arch.append(warm_start_path(run_dir))
         except SystemExit:
             pass
-    names = _target_names(arch)
+    names, params = _architecture(arch)
     final = _load(ckpt / "model.safetensors")
-    initial = _load(source, set(names))
+    initial = _load(source, set(params))
+    recorded = _start_checksum(run_dir)
+    # the trainer digests its fp32 copy; a file in another dtype reads back to the same floats
+    if recorded is not None and weights_checksum({n: t.float() for n, t in initial.items()}, params) != recorded:
+        raise _fail(f"{source} does not hold the weights {run_dir} started from (checksum {recorded[:12]}); "
+                    "was the warm-start cache rebuilt since, or did the run come from another machine? "
+                    "Pass --base PATH to its starting weights")
+    initial = {n: initial[n] for n in names if n in initial}
 
     lora: dict[str, torch.Tensor] = {}
     for key in [k for k in final if _LORA_A.match(k)]:

@@ -146,22 +146,33 @@ def read_checkpoint_config(run_dir: Path) -> dict[str, Any]:
         raise CheckpointError(path / "config.json", f"is not valid JSON ({e})") from None
 
 
-def load_checkpoint(run_dir: Path, model: nn.Module, rank: int = 0, world: int = 1) -> dict[str, Any]:
+def load_checkpoint(run_dir: Path, model: nn.Module, rank: int = 0, world: int = 1,
+                    start_checksum: str | None = None) -> dict[str, Any]:
     """Verify the run's latest checkpoint, load its weights into ``model``, restore this rank's
     RNG and return the saved state.
 
     Every file is verified and read before the model or the RNG is touched, so a refused
     checkpoint changes nothing.
 
+    Args:
+        start_checksum: if given, the run must have started from weights of this
+            `weights_checksum` (checked when the state records its ``start_checksum``).
+
     Raises:
-        CheckpointError: no checkpoint; a file missing, damaged or not loadable; or weights
-            that do not fit ``model``.
+        CheckpointError: no checkpoint; a file missing, damaged or not loadable; weights
+            that do not fit ``model``; or a run that started from other weights than
+            ``start_checksum``.
     """
     path = checkpoint_dir(run_dir)
     if path is None:
         raise CheckpointError(run_dir / CHECKPOINT, "does not exist: the run has no checkpoint to resume")
     verify_checkpoint(path)
     state = _load(path / "state.pt")
+    started = state.get("start_checksum")  # absent from checkpoints of older versions
+    if start_checksum is not None and started is not None and started != start_checksum:
+        raise CheckpointError(path / "state.pt", f"is of a run that started from weights {started[:12]}, not from "
+                              f"the starting policy loaded now ({start_checksum[:12]}; was the warm-start cache "
+                              "rebuilt, or is this another machine?)")
     rng = _load(path / f"rng-rank{rank}.pt") if world > 1 else state
     weights = path / "model.safetensors"
     try:

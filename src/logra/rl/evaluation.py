@@ -116,7 +116,8 @@ def format_summary(summary: dict[str, Any], config: RLConfig) -> str:
 
 
 def _policy_line(policy: dict[str, Any]) -> str:
+    checksum = f", weights {policy['checksum'][:12]}" if "checksum" in policy else ""
     if "key" in policy:
         how = "cache hit" if policy.get("cache_hit") else "trained now"
-        return f"embedded warm start {policy['key']} ({how}, {policy.get('path', '')})"
-    return str(policy.get("source", "given"))
+        return f"embedded warm start {policy['key']} ({how}, {policy.get('path', '')}{checksum})"
+    return f"{policy.get('source', 'given')}{checksum}"

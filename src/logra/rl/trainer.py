@@ -90,6 +90,9 @@ class RLTrainer:
             model, tokenizer, self.policy_info = load_policy(config, self.task, progress=self.progress)
         else:
             self.policy_info = {"source": "given"}
+        # what the run started from, by content: one cache key gives different warm starts on
+        # machines (or thread counts) whose float reductions differ; runs are paired on this
+        self.policy_info["checksum"] = weights_checksum(model)
         self.tokenizer = tokenizer
         if config.chat_template:
             self.task = ChatTemplateTask(self.task, tokenizer)
@@ -333,16 +336,26 @@ class RLTrainer:
             "optimizer": self.optimizer.state_dict(),
             "controller": self.controller.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "start_checksum": self.policy_info["checksum"],
         }
         return save_checkpoint(self.run_dir, self.model, state, self.config.to_dict(), self.rank, self.world)
 
     def load_checkpoint(self) -> None:
         """Continue from ``run_dir/checkpoint`` exactly where it stopped.
 
+        The checkpoint holds every weight, so a starting policy that differs from the one the
+        run started from (a warm-start cache rebuilt since, or another machine) only matters
+        when the run's KL penalty takes it as its reference: then the checkpoint is refused.
+        The summary keeps naming the weights the run started from.
+
         Raises:
-            CheckpointError: the checkpoint is missing or a file of it is damaged (nothing loaded).
+            CheckpointError: the checkpoint is missing or a file of it is damaged, or the run has
+                a KL reference and the starting policy loaded now is not the one it started from
+                (nothing loaded).
         """
-        state = load_checkpoint(self.run_dir, self.model, self.rank, self.world)
+        start = self.policy_info["checksum"] if self.reference is not None else None
+        state = load_checkpoint(self.run_dir, self.model, self.rank, self.world, start_checksum=start)
+        self.policy_info["checksum"] = state.get("start_checksum", self.policy_info["checksum"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.controller.load_state_dict(state["controller"])
         if self.scheduler is not None:
