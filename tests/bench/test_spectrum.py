@@ -200,6 +200,9 @@ def test_refusals_are_one_line(runs, tmp_path):
     (other / "config.json").write_text(json.dumps({**config, "cache_dir": str(tmp_path / "cache")}))
     refused([str(other)], "does not hold the weights")
     refused([str(runs["logra"]), "--base", str(cache)], "does not hold the weights")
+    partial = tmp_path / "partial.safetensors"
+    save_file({n: t for n, t in load_file(runs["w0"]).items() if n != "model.norm.weight"}, partial)
+    refused([str(runs["logra"]), "--base", str(partial)], "does not hold the weights")
     # without the record (a run of an older version) it reads alone, but cannot be paired
     # with a run that started elsewhere
     (other / "summary.json").unlink()

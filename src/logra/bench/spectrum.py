@@ -188,7 +188,8 @@ def _run_weights(run_dir: Path, base: str | Path | None = None
     initial = _load(source, set(params))
     recorded = _start_checksum(run_dir)
     # the trainer digests its fp32 copy; a file in another dtype reads back to the same floats
-    if recorded is not None and weights_checksum({n: t.float() for n, t in initial.items()}, params) != recorded:
+    if recorded is not None and (set(params) - initial.keys()
+                                 or weights_checksum({n: t.float() for n, t in initial.items()}, params) != recorded):
         raise _fail(f"{source} does not hold the weights {run_dir} started from (checksum {recorded[:12]}); "
                     "was the warm-start cache rebuilt since, or did the run come from another machine? "
                     "Pass --base PATH to its starting weights")
