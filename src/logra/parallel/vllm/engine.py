@@ -14,12 +14,12 @@ the bits an HF copy of the policy in the engine's dtype would hold.
 
 Two ways to hold the weights, chosen at `logra_configure`:
 
-- ``'inplace'``: vLLM keeps plain fused tensors (bf16 on CPU, every dtype on GPU). Each
+- ``'inplace'``: vLLM keeps plain fused tensors (bf16 on an AVX2 CPU, every dtype on GPU). Each
   HF target is a view of its rows in ``qkv_proj``/``gate_up_proj`` (or the whole
   ``o_proj``/``down_proj``; the first ``vocab`` rows of a padded embedding), merged in
   place. No extra memory.
-- ``'shadow'``: vLLM keeps prepacked kernel handles and an empty ``.weight`` (fp32 on a
-  CPU without AVX-512: oneDNN), so nothing can be edited in place. The worker keeps an
+- ``'shadow'``: vLLM keeps prepacked kernel handles and an empty ``.weight`` (oneDNN: fp32
+  on an AVX2 CPU, bf16 too on an AVX-512/AMX one), so nothing can be edited in place. The worker keeps an
   HF-named copy (the "shadow") of every vLLM module a delta touches, in the engine's
   dtype, merges there and pushes those modules through vLLM's ``reload_weights`` (which
   re-fuses and re-packs). Extra memory: one copy of those modules' weights.
