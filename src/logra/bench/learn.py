@@ -48,6 +48,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from logra.bench import relay  # noqa: E402
 from logra.rl import recipe_config  # noqa: E402
+from logra.rl.evaluation import start_checksum  # noqa: E402
 
 #: Methods in table order; the first is LoGRA, compared against the second.
 METHODS: tuple[str, ...] = ("logra", "adamw", "lora")
@@ -143,10 +144,7 @@ def read_run(run_dir: str | Path, label: str, seed: int) -> RunResult:
                        [r for r in rows if r.get("kind") == "train"])
     if not result.evals:
         raise ValueError(f"{path} has no evaluation rows")
-    try:
-        result.start_checksum = json.loads((run_dir / "summary.json").read_text())["policy"]["checksum"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    result.start_checksum = start_checksum(run_dir)
     return result
 
 

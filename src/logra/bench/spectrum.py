@@ -97,14 +97,6 @@ def _warm_start_key(run_dir: Path, config: dict[str, Any]) -> str:
     return rl.tiny.cache_key(warm_start_data_key(rl, build_task(rl)))
 
 
-def _start_checksum(run_dir: Path) -> str | None:
-    """`weights_checksum` of the policy the run started from, as its ``summary.json`` records it."""
-    try:
-        return str(json.loads((run_dir / "summary.json").read_text())["policy"]["checksum"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # a run of an older version, or an unfinished one
-
-
 def warm_start_path(run_dir: str | Path) -> Path:
     """Where the weights the run started from are: its ``--model`` path, or the cache entry
     ``cache_dir/<key>`` of the embedded policy it warm-started (or loaded)."""
@@ -186,7 +178,9 @@ def _run_weights(run_dir: Path, base: str | Path | None = None
     names, params = _architecture(arch)
     final = _load(ckpt / "model.safetensors")
     initial = _load(source, set(params))
-    recorded = _start_checksum(run_dir)
+    from ..rl.evaluation import start_checksum
+
+    recorded = start_checksum(run_dir)
     # the trainer digests its fp32 copy; a file in another dtype reads back to the same floats
     if recorded is not None and (set(params) - initial.keys()
                                  or weights_checksum({n: t.float() for n, t in initial.items()}, params) != recorded):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -94,6 +96,15 @@ def summarize(records: list[dict[str, Any]], policy: dict[str, Any]) -> dict[str
     if train:
         summary[mem_key] = max(r[mem_key] for r in train)
     return summary
+
+
+def start_checksum(run_dir: str | Path) -> str | None:
+    """`weights_checksum` of the policy a finished run started from, as its ``summary.json``
+    records it (None for an unfinished run or one of a version that did not record it)."""
+    try:
+        return str(json.loads((Path(run_dir) / "summary.json").read_text())["policy"]["checksum"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def format_summary(summary: dict[str, Any], config: RLConfig) -> str:
