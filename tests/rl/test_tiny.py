@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
+from logra.rl import tiny
 from logra.rl.tiny import (
     EOS_TOKEN,
     PAD_TOKEN,
@@ -203,6 +206,7 @@ def test_cache_key_tracks_every_recipe_field(tmp_path):
     assert cfg.cache_key() != _micro_config(sft_steps=4).cache_key()
     assert cfg.cache_key("chain_sum") != cfg.cache_key("basic_arithmetic")
     assert cfg.cache_key() != _micro_config(seed=2).cache_key()
+    assert cfg.cache_key() != _micro_config(shipped=False).cache_key()  # a trained entry is not the shipped one
 
 
 def test_demonstrations_that_do_not_fit_are_refused():
@@ -232,3 +236,58 @@ def test_cache_key_tracks_library_versions(monkeypatch):
     key = _micro_config().cache_key("d")
     monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".post1")
     assert _micro_config().cache_key("d") != key
+
+
+# --- the shipped warm start of the embedded default ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_demos():
+    """The embedded recipe's tiny config and its SFT demonstrations (20000, under a second)."""
+    from logra.rl.build import warm_start_demonstrations
+    from logra.rl.config import build_task, recipe_config
+
+    config = recipe_config("embedded")
+    return config.tiny, warm_start_demonstrations(config, build_task(config))
+
+
+def _shipped_file():
+    (record,) = tiny._SHIPPED_DIR.glob("*.json")
+    return record.with_suffix(".safetensors")
+
+
+def test_embedded_default_loads_the_shipped_warm_start_instead_of_training(tmp_path, monkeypatch, default_demos):
+    config, demos = default_demos
+    monkeypatch.setattr(tiny, "warm_start", lambda *a, **k: pytest.fail("the default policy was trained"))
+    model, _, info = load_or_warm_start(config, tmp_path, lambda: demos, "default", progress=False)
+    state, shipped = model.state_dict(), load_file(_shipped_file())
+    assert shipped and all(torch.equal(state[k], v) for k, v in shipped.items())
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+    assert not model.training and info["cache_hit"] is False and info["shipped"]["file"] == str(_shipped_file())
+    # the cache entry is written as for a trained policy, so a hit (and `bench spectrum`) reads it
+    again, _, info2 = load_or_warm_start(config, tmp_path, lambda: pytest.fail("demos on a hit"), "default",
+                                         progress=False)
+    assert info2["cache_hit"] is True and info2["shipped"]["checksum"] == info["shipped"]["checksum"]
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in shipped.items())
+
+
+def test_shipped_warm_start_only_for_its_own_config_and_demonstrations(default_demos):
+    config, demos = default_demos
+    assert tiny._shipped_policy(config, demos) is not None
+    assert tiny._shipped_policy(config, demos[:-1]) is None
+    assert tiny._shipped_policy(config, [(p + " ", a) for p, a in demos]) is None
+    assert tiny._shipped_policy(dataclasses.replace(config, sft_steps=299), demos) is None
+    assert tiny._shipped_policy(dataclasses.replace(config, shipped=False), demos) is None
+
+
+def test_damaged_shipped_weights_are_refused(tmp_path, monkeypatch, default_demos):
+    config, demos = default_demos
+    folder = tmp_path / "shipped"
+    shutil.copytree(tiny._SHIPPED_DIR, folder)
+    weights = folder / _shipped_file().name
+    tensors = load_file(weights)
+    tensors["model.norm.weight"][0] += 1e-3
+    save_file(tensors, weights)
+    monkeypatch.setattr(tiny, "_SHIPPED_DIR", folder)
+    with pytest.raises(RuntimeError, match="damaged"):
+        tiny._shipped_policy(config, demos)

@@ -30,13 +30,8 @@ def load_policy(config: RLConfig, task: Task, progress: bool = True) -> tuple[nn
             template while ``config.chat_template`` asks for one).
     """
     if not config.model:
-        tiny = config.tiny
-
-        def demonstrations() -> list[tuple[str, str]]:
-            problems = task.problems("train", tiny.num_demonstrations, seed=tiny.seed + 1)
-            return [(p.prompt, task.reference_response(p)) for p in problems]
-
-        return load_or_warm_start(tiny, Path(config.cache_dir).expanduser(), demonstrations,
+        return load_or_warm_start(config.tiny, Path(config.cache_dir).expanduser(),
+                                  lambda: warm_start_demonstrations(config, task),
                                   warm_start_data_key(config, task), progress=progress)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -55,6 +50,13 @@ def load_policy(config: RLConfig, task: Task, progress: bool = True) -> tuple[nn
     if config.chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"chat_template=True, but the tokenizer of --model {config.model!r} has no chat template")
     return model, tokenizer, {**info, "loaded_from": source}
+
+
+def warm_start_demonstrations(config: RLConfig, task: Task) -> list[tuple[str, str]]:
+    """The embedded policy's SFT demonstrations: ``(prompt, reference response)`` for
+    ``config.tiny.num_demonstrations`` training problems of ``task``."""
+    problems = task.problems("train", config.tiny.num_demonstrations, seed=config.tiny.seed + 1)
+    return [(p.prompt, task.reference_response(p)) for p in problems]
 
 
 def warm_start_data_key(config: RLConfig, task: Task) -> str:

@@ -129,6 +129,8 @@ def format_summary(summary: dict[str, Any], config: RLConfig) -> str:
 def _policy_line(policy: dict[str, Any]) -> str:
     checksum = f", weights {policy['checksum'][:12]}" if "checksum" in policy else ""
     if "key" in policy:
-        how = "cache hit" if policy.get("cache_hit") else "trained now"
+        how = "shipped with logra" if policy.get("shipped") else "trained now"
+        if policy.get("cache_hit"):
+            how = f"cache hit, {how}"
         return f"embedded warm start {policy['key']} ({how}, {policy.get('path', '')}{checksum})"
     return f"{policy.get('source', 'given')}{checksum}"

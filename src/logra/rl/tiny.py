@@ -6,6 +6,11 @@ by a short supervised phase (SFT) on task demonstrations so that RL starts from 
 policy that is *partly* right. The warm-started weights are cached on disk, keyed
 by the config, so only the first run pays for SFT.
 
+The warm start of the embedded default (its config, the default task's demonstrations)
+ships with logra instead of being trained: 300 SFT steps magnify the last bits in which
+CPUs and thread counts differ into policies 0.26-0.39 apart in Pass@1, in fp64 as in fp32,
+so a policy trained on each machine would make every machine's gains its own.
+
 The defaults of :class:`TinyPolicyConfig` are a measured recipe (see the table in
 the class docstring): after the warm start the model solves the task partly when
 sampling at temperature 1.0 and noticeably better greedily, which is the gap RL
@@ -28,9 +33,12 @@ from typing import Any
 
 import torch
 import transformers
+from safetensors.torch import load_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from ..delta import weights_checksum
 
 __all__ = [
     "PAD_TOKEN",
@@ -40,6 +48,7 @@ __all__ = [
     "build_tiny_policy",
     "warm_start",
     "load_or_warm_start",
+    "demonstrations_digest",
 ]
 
 PAD_TOKEN: str = "<pad>"
@@ -49,6 +58,9 @@ EOS_TOKEN: str = "<eos>"
 # see, so stale caches are not silently reused.
 _CACHE_FORMAT_VERSION = 2
 _INFO_FILE = "logra_tiny_info.json"
+# Warm starts shipped with the package: NAME.safetensors beside NAME.json, its record
+# (written by scripts/build_shipped_policy.py).
+_SHIPPED_DIR = Path(__file__).with_name("shipped")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -129,6 +141,9 @@ class TinyPolicyConfig:
         sft_weight_decay: AdamW weight decay.
         sft_warmup_steps: Linear warmup steps.
         num_demonstrations: Size of the demonstration set drawn from the task.
+        shipped: Load the warm start that ships with logra when this config and the
+            demonstrations are exactly those it was built from (the embedded default),
+            instead of training it here; ``False`` always trains.
     """
 
     hidden_size: int = 128
@@ -145,6 +160,7 @@ class TinyPolicyConfig:
     sft_weight_decay: float = 0.01
     sft_warmup_steps: int = 50
     num_demonstrations: int = 20000
+    shipped: bool = True
 
     def __post_init__(self) -> None:
         positive = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
@@ -339,6 +355,39 @@ def warm_start(
     }
 
 
+def demonstrations_digest(demonstrations: list[tuple[str, str]]) -> str:
+    """SHA-256 of the demonstrations, in order: what a shipped warm start was trained on."""
+    return hashlib.sha256(json.dumps(demonstrations, ensure_ascii=False).encode()).hexdigest()
+
+
+def _shipped_policy(
+    config: TinyPolicyConfig, demonstrations: list[tuple[str, str]]
+) -> tuple[Qwen2ForCausalLM, dict[str, Any]] | None:
+    """The shipped warm start built from exactly ``config`` and ``demonstrations``, with its
+    record, or ``None``. Matching on the demonstrations themselves (not on library
+    versions) reuses it wherever the same policy would be trained."""
+    if not config.shipped:
+        return None
+    wanted = {k: v for k, v in config.to_dict().items() if k != "shipped"}
+    digest = None
+    for record_path in sorted(_SHIPPED_DIR.glob("*.json")):
+        record = json.loads(record_path.read_text())
+        if record["config"] != wanted:
+            continue
+        digest = digest or demonstrations_digest(demonstrations)
+        if record["demonstrations"] != digest:
+            continue
+        weights = record_path.with_suffix(".safetensors")
+        model, _ = build_tiny_policy(config)
+        load_model(model, weights)
+        if weights_checksum(model) != record["checksum"]:
+            raise RuntimeError(f"{weights} does not hold the weights its record names (checksum "
+                               f"{record['checksum']}); the installation is damaged: reinstall logra")
+        model.eval()
+        return model, {**record, "file": str(weights)}
+    return None
+
+
 def load_or_warm_start(
     config: TinyPolicyConfig,
     cache_dir: str | Path,
@@ -348,6 +397,8 @@ def load_or_warm_start(
 ) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, dict[str, Any]]:
     """Return the warm-started tiny policy, training it only on a cache miss.
 
+    On a miss the shipped warm start is used when ``config`` and the demonstrations are
+    those it was built from (``config.shipped`` allowing); otherwise SFT trains it.
     The cache entry is ``cache_dir/<config.cache_key(data_key)>/`` holding the model
     (``save_pretrained``, safetensors), the tokenizer and an info JSON. It is
     written to a temporary sibling and renamed into place, so an interrupted run
@@ -364,7 +415,8 @@ def load_or_warm_start(
     Returns:
         ``(model, tokenizer, info)`` with the model in eval mode; ``info`` has
         ``cache_hit``, ``path``, ``key``, ``config`` and, after training, the
-        :func:`warm_start` stats under ``"warm_start"``.
+        :func:`warm_start` stats under ``"warm_start"`` (for a shipped one, those of
+        its build, and its record under ``"shipped"``).
     """
     cache_dir = Path(cache_dir)
     key = config.cache_key(data_key)
@@ -380,8 +432,14 @@ def load_or_warm_start(
 
     model, tokenizer = build_tiny_policy(config)
     demos = demonstrations_fn()
-    stats = warm_start(model, tokenizer, demos, config, progress=progress)
-    info: dict[str, Any] = {"key": key, "config": config.to_dict(), "data": data_key, "warm_start": stats}
+    info: dict[str, Any] = {"key": key, "config": config.to_dict(), "data": data_key}
+    shipped = _shipped_policy(config, demos)
+    if shipped is None:
+        info["warm_start"] = warm_start(model, tokenizer, demos, config, progress=progress)
+    else:
+        model, record = shipped
+        info["warm_start"] = record["warm_start"]
+        info["shipped"] = {k: record[k] for k in ("file", "checksum", "demonstrations", "built_with")}
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".{key}.tmp-{time.time_ns()}"
