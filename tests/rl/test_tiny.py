@@ -273,11 +273,15 @@ def test_embedded_default_loads_the_shipped_warm_start_instead_of_training(tmp_p
 
 def test_shipped_warm_start_only_for_its_own_config_and_demonstrations(default_demos):
     config, demos = default_demos
-    assert tiny._shipped_policy(config, demos) is not None
-    assert tiny._shipped_policy(config, demos[:-1]) is None
-    assert tiny._shipped_policy(config, [(p + " ", a) for p, a in demos]) is None
-    assert tiny._shipped_policy(dataclasses.replace(config, sft_steps=299), demos) is None
-    assert tiny._shipped_policy(dataclasses.replace(config, shipped=False), demos) is None
+    model, _ = build_tiny_policy(config)
+    random_init = {k: v.clone() for k, v in model.state_dict().items()}
+    for other_config, other_demos in [(config, demos[:-1]), (config, [(p + " ", a) for p, a in demos]),
+                                      (dataclasses.replace(config, sft_steps=299), demos),
+                                      (dataclasses.replace(config, shipped=False), demos)]:
+        assert tiny._load_shipped(model, other_config, other_demos) is None
+        assert all(torch.equal(v, random_init[k]) for k, v in model.state_dict().items())  # left as it was
+    assert tiny._load_shipped(model, config, demos) is not None
+    assert not torch.equal(model.model.norm.weight, random_init["model.norm.weight"])
 
 
 def test_damaged_shipped_weights_are_refused(tmp_path, monkeypatch, default_demos):
@@ -290,4 +294,4 @@ def test_damaged_shipped_weights_are_refused(tmp_path, monkeypatch, default_demo
     save_file(tensors, weights)
     monkeypatch.setattr(tiny, "_SHIPPED_DIR", folder)
     with pytest.raises(RuntimeError, match="damaged"):
-        tiny._shipped_policy(config, demos)
+        tiny._load_shipped(build_tiny_policy(config)[0], config, demos)

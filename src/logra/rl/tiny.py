@@ -360,12 +360,13 @@ def demonstrations_digest(demonstrations: list[tuple[str, str]]) -> str:
     return hashlib.sha256(json.dumps(demonstrations, ensure_ascii=False).encode()).hexdigest()
 
 
-def _shipped_policy(
-    config: TinyPolicyConfig, demonstrations: list[tuple[str, str]]
-) -> tuple[Qwen2ForCausalLM, dict[str, Any]] | None:
-    """The shipped warm start built from exactly ``config`` and ``demonstrations``, with its
-    record, or ``None``. Matching on the demonstrations themselves (not on library
-    versions) reuses it wherever the same policy would be trained."""
+def _load_shipped(
+    model: Qwen2ForCausalLM, config: TinyPolicyConfig, demonstrations: list[tuple[str, str]]
+) -> dict[str, Any] | None:
+    """Load into ``model`` the shipped warm start built from exactly ``config`` and
+    ``demonstrations`` and return its record, or return ``None`` and leave ``model`` as it
+    is. Matching on the demonstrations themselves (not on library versions) reuses it
+    wherever the same policy would be trained."""
     if not config.shipped:
         return None
     wanted = {k: v for k, v in config.to_dict().items() if k != "shipped"}
@@ -378,13 +379,12 @@ def _shipped_policy(
         if record["demonstrations"] != digest:
             continue
         weights = record_path.with_suffix(".safetensors")
-        model, _ = build_tiny_policy(config)
         load_model(model, weights)
         if weights_checksum(model) != record["checksum"]:
             raise RuntimeError(f"{weights} does not hold the weights its record names (checksum "
                                f"{record['checksum']}); the installation is damaged: reinstall logra")
         model.eval()
-        return model, {**record, "file": str(weights)}
+        return {**record, "file": str(weights)}
     return None
 
 
@@ -433,11 +433,10 @@ def load_or_warm_start(
     model, tokenizer = build_tiny_policy(config)
     demos = demonstrations_fn()
     info: dict[str, Any] = {"key": key, "config": config.to_dict(), "data": data_key}
-    shipped = _shipped_policy(config, demos)
-    if shipped is None:
+    record = _load_shipped(model, config, demos)
+    if record is None:
         info["warm_start"] = warm_start(model, tokenizer, demos, config, progress=progress)
     else:
-        model, record = shipped
         info["warm_start"] = record["warm_start"]
         info["shipped"] = {k: record[k] for k in ("file", "checksum", "demonstrations", "built_with")}
 
