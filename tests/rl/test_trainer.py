@@ -90,18 +90,19 @@ def test_updates_change_policy_under_kl_control(tmp_path, optimizer):
         assert records[0]["delta_bytes"] == sum(8 * 2 * before[n].shape[0] for n in changed)
 
 
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("options", [{}, {"optimizer": "adamw", "lr_schedule": "constant"}], ids=["logra", "adamw"])
+def test_resume_continues_exactly(tmp_path, options):
     full_model, tok = _policy()
-    full = RLTrainer(_config(tmp_path / "a", updates=4), model=full_model, tokenizer=tok, task=VowelTask(),
-                     progress=False)
+    full = RLTrainer(_config(tmp_path / "a", updates=4, **options), model=full_model, tokenizer=tok,
+                     task=VowelTask(), progress=False)
     full.train()
     half_model, _ = _policy()
-    half = RLTrainer(_config(tmp_path / "b", updates=2), model=half_model, tokenizer=tok, task=VowelTask(),
-                     progress=False)
+    half = RLTrainer(_config(tmp_path / "b", updates=2, **options), model=half_model, tokenizer=tok,
+                     task=VowelTask(), progress=False)
     half.train()
     resumed_model, _ = _policy(seed=99)  # different init: everything must come from the checkpoint
-    resumed = RLTrainer(_config(tmp_path / "b", updates=4), model=resumed_model, tokenizer=tok, task=VowelTask(),
-                        progress=False)
+    resumed = RLTrainer(_config(tmp_path / "b", updates=4, **options), model=resumed_model, tokenizer=tok,
+                        task=VowelTask(), progress=False)
     resumed.load_checkpoint()
     resumed.train()
     for (n, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
@@ -159,6 +160,10 @@ def test_bad_input_is_refused_before_work(tmp_path):
         train_main(["--resume", str(tmp_path / "nothing")])
     with pytest.raises(ValueError, match="responses_per_prompt"):
         RLConfig(algorithm="grpo", responses_per_prompt=1)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        RLConfig(optimizer="adamw", lr_schedule="linear")
+    with pytest.raises(ValueError, match="no learning-rate schedule"):
+        RLConfig(optimizer="logra", lr_schedule="constant")
 
 
 def _dp_rank(rank: int, world: int, store: str, root: str) -> None:
@@ -309,3 +314,25 @@ def test_reference_policy_is_the_initial_plain_model(tmp_path):
     assert any(not torch.equal(trainer.model.state_dict()[k], v) for k, v in initial.items())
     assert not any(hasattr(m, "_logra_target") for m in trainer.reference.modules())
     assert all(not p.requires_grad for p in trainer.reference.parameters())
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lora"])
+@pytest.mark.parametrize("schedule", ["cosine", "constant"])
+def test_baseline_learning_rate_follows_its_schedule(tmp_path, optimizer, schedule):
+    if optimizer == "lora":
+        pytest.importorskip("peft")
+    from logra.rl.build import build_optimizer
+
+    updates, lr = 6, 3e-3
+    model, _ = _policy()
+    _, opt, scheduler = build_optimizer(_config(tmp_path, optimizer=optimizer, lr=lr, updates=updates,
+                                                lr_schedule=schedule), model)
+    seen = []
+    for _ in range(updates + 1):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    expected = [lr if schedule == "constant" else lr * 0.5 * (1 + math.cos(math.pi * k / updates))
+                for k in range(updates + 1)]
+    assert seen == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert (seen[-1] == 0.0) == (schedule == "cosine")

@@ -87,8 +87,8 @@ def build_optimizer(
 
     LoGRA installs its sketches on ``model``; it and its dense diagnostic twin
     `DenseRowAdam` get no scheduler (the KL controller sizes each step). Dense AdamW and
-    LoRA (``model`` wrapped by peft) get a cosine learning-rate
-    schedule over the run.
+    LoRA (``model`` wrapped by peft) get ``config.lr_schedule`` over the run: cosine decay
+    to 0 at the last update, or a constant rate.
     """
     if config.optimizer == "logra":
         return model, LoGRAOptimizer(model, config.logra), None
@@ -106,6 +106,10 @@ def build_optimizer(
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
                                       betas=betas, weight_decay=0.0)
     total = max(config.updates, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step / total, 1.0))))
+    if config.lr_schedule == "constant":
+        # kept as a scheduler so checkpoints have one layout for both schedules
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    else:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step / total, 1.0))))
     return model, optimizer, scheduler

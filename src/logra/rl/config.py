@@ -62,7 +62,10 @@ class RLConfig:
         is_cap: REINFORCE truncated importance-sampling cap.
         baseline_decay: REINFORCE running-baseline EMA decay.
         ref_kl_coef: weight of a KL penalty to the initial policy (0 = off, as in the paper).
-        lr: learning rate of the adamw / lora baselines (cosine schedule).
+        lr: learning rate of the adamw / lora baselines.
+        lr_schedule: the baselines' learning-rate schedule over ``updates``: 'cosine' decays
+            ``lr`` to 0 at the last update, 'constant' keeps it (LoGRA has no learning-rate
+            schedule: its KL budget follows ``kl.budget`` → ``kl.budget_final``).
         adam_beta1: first-moment decay of the adamw / lora baselines' Adam (0 = no momentum).
         lora_rank: LoRA rank (0 = logra.rank).
         logra: LoGRA optimizer settings.
@@ -113,6 +116,7 @@ class RLConfig:
     baseline_decay: float = 0.9
     ref_kl_coef: float = 0.0
     lr: float = 1e-4
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
     adam_beta1: float = 0.9
     lora_rank: int = 0
     logra: LoGRAConfig = field(default_factory=LoGRAConfig)
@@ -134,6 +138,7 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         choices = {"optimizer": ("logra", "adamw", "lora", "dense_row_adam"), "algorithm": ("grpo", "reinforce"),
+                   "lr_schedule": ("cosine", "constant"),
                    "extract": (*EXTRACT_MODES, None), "rollout_engine": ("hf", "vllm")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -156,6 +161,10 @@ class RLConfig:
             raise ValueError(f"RLConfig.baseline_decay must be in [0, 1), got {self.baseline_decay}")
         if not 0 <= self.adam_beta1 < 1:
             raise ValueError(f"RLConfig.adam_beta1 must be in [0, 1), got {self.adam_beta1}")
+        if self.lr_schedule != "cosine" and self.optimizer not in ("adamw", "lora"):
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} applies to the adamw and lora baselines only; "
+                             f"optimizer={self.optimizer!r} has no learning-rate schedule (the KL budget sizes "
+                             "its steps: kl.budget -> kl.budget_final)")
         if self.algorithm == "grpo" and self.responses_per_prompt < 2:
             raise ValueError("GRPO needs responses_per_prompt >= 2 (advantages are group-normalised)")
         if self.dp < 1 or self.prompts_per_update % self.dp:
