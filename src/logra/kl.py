@@ -47,19 +47,27 @@ def _probe_positions(response_mask: torch.Tensor, max_tokens: int) -> torch.Tens
 
 @contextmanager
 def _probe_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode and eager attention (SDPA kernels lack forward AD); restored afterwards."""
+    """Eval mode and eager attention (SDPA kernels lack forward AD); restored afterwards.
+
+    Enter it before a proposal swaps the parameters out: transformers (5.x, with the
+    ``kernels`` package) re-kernelizes a model on a train/eval switch and reads its device
+    from its parameters, which a dense proposal has all replaced. Nested entries change
+    nothing.
+    """
     was_training = model.training
     config = getattr(model, "config", None)
     attn = getattr(config, "_attn_implementation", None)
     try:
-        model.eval()
+        if was_training:
+            model.eval()
         if attn not in (None, "eager"):
             model.set_attn_implementation("eager")
         yield
     finally:
         if attn not in (None, "eager"):
             model.set_attn_implementation(attn)
-        model.train(was_training)
+        if was_training:
+            model.train()
 
 
 def hidden_and_head(
@@ -515,7 +523,7 @@ def _guard(
     while True:
         kl = 0.0
         if before is not None:
-            with proposal.perturbed(torch.tensor(alpha, device=device)):
+            with _probe_mode(model), proposal.perturbed(torch.tensor(alpha, device=device)):
                 kl = realized_kl(before, probe_logits(model, *probe, max_tokens=max_tokens), temperature) * n
         kl_sum, n_sum = pool([kl, n])
         exact = kl_sum / n_sum

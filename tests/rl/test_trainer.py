@@ -336,3 +336,22 @@ def test_baseline_learning_rate_follows_its_schedule(tmp_path, optimizer, schedu
                 for k in range(updates + 1)]
     assert seen == pytest.approx(expected, rel=1e-12, abs=1e-15)
     assert (seen[-1] == 0.0) == (schedule == "cosine")
+
+
+def test_dense_step_on_a_model_loaded_by_from_pretrained(tmp_path):
+    """transformers 5.x loads with hub kernels on and re-kernelizes on every train/eval switch,
+    reading the device from the parameters; the KL guard's probe of a dense step (every
+    parameter swapped out) must not switch modes there."""
+    from transformers import AutoModelForCausalLM
+
+    model, tok = _policy()
+    model.save_pretrained(tmp_path / "policy")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32)
+    start = {n: p.detach().clone() for n, p in loaded.named_parameters()}
+    trainer = RLTrainer(_config(tmp_path, optimizer="adamw", updates=1), model=loaded, tokenizer=tok,
+                        task=VowelTask(), progress=False)
+    trainer.train()
+    assert any(not torch.equal(start[n], p) for n, p in trainer.model.named_parameters())
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (step,) = [r for r in rows if r["kind"] == "train"]
+    assert math.isfinite(step["guard_kl"]) and step["guard_kl"] > 0
