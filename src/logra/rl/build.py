@@ -106,10 +106,10 @@ def build_optimizer(
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
                                       betas=betas, weight_decay=0.0)
     total = max(config.updates, 1)
-    if config.lr_schedule == "constant":
-        # kept as a scheduler so checkpoints have one layout for both schedules
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    else:
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step / total, 1.0))))
-    return model, optimizer, scheduler
+
+    def factor(step: int) -> float:  # a scheduler for both, so checkpoints have one layout
+        if config.lr_schedule == "constant":
+            return 1.0
+        return 0.5 * (1 + math.cos(math.pi * min(step / total, 1.0)))
+
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
