@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from logra.memory import enable_activation_checkpointing
 from logra.tasks import Problem, Task
 
 torch.set_num_threads(2)
@@ -66,12 +67,8 @@ def token_batch(vocab: int, batch: int = 3, length: int = 12, seed: int = 0) -> 
 
 
 def checkpoint(model, reentrant: bool = False) -> None:
-    """Turn on HF activation checkpointing (the method was renamed in transformers 5)."""
-    kwargs = {"use_reentrant": reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    """Turn on HF activation checkpointing."""
+    enable_activation_checkpointing(model, reentrant)
 
 
 def train_steps(model, opt, steps: int, seed0: int = 0) -> list:

@@ -115,6 +115,21 @@ class MemoryReport:
         return out
 
 
+def enable_activation_checkpointing(model: nn.Module, reentrant: bool = False) -> None:
+    """Turn on a Hugging Face model's activation checkpointing under either name of the method.
+
+    transformers renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``
+    in its 5.x series (present in 5.25, absent in 5.17); both take the
+    ``torch.utils.checkpoint`` keyword arguments. ``reentrant=False`` is what LoGRA's sketch
+    hooks need: recomputation then rebuilds ``P = X Aᵀ`` and the sketch is added once.
+    """
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process in bytes (``ru_maxrss``)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

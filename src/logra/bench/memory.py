@@ -55,7 +55,7 @@ from torch import nn
 
 from logra import LoGRAConfig, LoGRAOptimizer
 from logra.bench.common import FULL_SHAPE, QUICK_SHAPE, size_unit, spawn_worker
-from logra.memory import CATEGORIES, MemoryReport, track_memory
+from logra.memory import CATEGORIES, MemoryReport, enable_activation_checkpointing, track_memory
 
 #: Methods in table order; the first is the baseline the ratios refer to.
 METHODS: tuple[str, ...] = ("adamw", "logra-freeze", "logra-sketch")
@@ -186,8 +186,7 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     torch.manual_seed(args.seed)
     model = Qwen2ForCausalLM(cfg).float().to(args.device)
     if args.checkpointing:
-        # non-reentrant: recomputation recreates LoGRA's P = X Aᵀ, the sketch is added once
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     model.train()
     return model
 

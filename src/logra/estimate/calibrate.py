@@ -114,18 +114,14 @@ def compare_with_tracker(
     import torch
 
     from ..config import LoGRAConfig
-    from ..memory import track_memory
+    from ..memory import enable_activation_checkpointing, track_memory
     from ..optimizer import LoGRAOptimizer
 
     m = canonical_method(method)
     model = build_random_model(shape, dtype=dtype, attention=attention, seed=seed).to(device)
     model.train()
     if checkpointing:
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable_activation_checkpointing(model)
         model.config.use_cache = False
     if m.startswith("logra"):
         import warnings
