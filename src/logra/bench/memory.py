@@ -280,8 +280,9 @@ _PART_HEADS = [f"{p.removeprefix('logra.')} (%)" for p in STEP_PARTS]
 def _profiled_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[[], torch.Tensor],
                    autocast: bool, device: torch.device) -> dict[str, float | None]:
     """One full step under ``torch.profiler``: seconds in each of `STEP_PARTS` and in the
-    whole step (``'step'``). On CUDA a part's time is the GPU time the profiler attributes
-    to its range (None where it attributes none)."""
+    whole step (``'step'``). On CUDA a part's time is the larger of the host time inside its
+    range and the GPU time of the kernels launched there (None where both are zero): the
+    projection refresh draws its signs on the host, which GPU time alone would hide."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -292,7 +293,7 @@ def _profiled_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callab
         # a range's CPU row; on CUDA its device time sums the kernels launched inside it (the
         # GPU-annotation row of the same name would count them again)
         if event.key in parts and event.device_type == torch.autograd.DeviceType.CPU:
-            us = event.device_time_total if device.type == "cuda" else event.cpu_time_total
+            us = max(event.device_time_total, event.cpu_time_total) if device.type == "cuda" else event.cpu_time_total
             parts[event.key] += us / 1e6
     if device.type == "cuda":
         parts = {k: (v or None) for k, v in parts.items()}
