@@ -6,7 +6,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from logra.memory import enable_activation_checkpointing
 from logra.tasks import Problem, Task
 
 torch.set_num_threads(2)
@@ -64,11 +63,6 @@ def token_batch(vocab: int, batch: int = 3, length: int = 12, seed: int = 0) -> 
     mask[0, -3:] = 0
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-def checkpoint(model, reentrant: bool = False) -> None:
-    """Turn on HF activation checkpointing."""
-    enable_activation_checkpointing(model, reentrant)
 
 
 def train_steps(model, opt, steps: int, seed0: int = 0) -> list:

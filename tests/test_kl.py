@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import checkpoint, tiny_qwen2, token_batch
+from conftest import tiny_qwen2, token_batch
 from logra import (
     DenseProposal,
     KLController,
@@ -22,6 +22,7 @@ from logra import (
     realized_kl,
 )
 from logra.kl import controlled_update
+from logra.memory import enable_activation_checkpointing
 
 
 def _setup(ratio=1e-2, **cfg):
@@ -202,7 +203,7 @@ def test_probe_is_a_mean_over_exactly_the_masked_positions():
 
 def test_state_restored_and_works_with_checkpointing():
     model, opt, batch, response = _setup()
-    checkpoint(model)
+    enable_activation_checkpointing(model)
     model.train()
     assert model.config._attn_implementation == "sdpa"
     weights = copy.deepcopy(model.state_dict())

@@ -8,15 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import checkpoint, tiny_llama, tiny_qwen2, token_batch
+from conftest import tiny_llama, tiny_qwen2, token_batch
 from logra import LoGRAConfig, LoGRAOptimizer
-from logra.memory import track_memory
+from logra.memory import enable_activation_checkpointing, track_memory
 
 
 def _dense_reference(model, batches, checkpointing=False):
     ref = copy.deepcopy(model)
     if checkpointing:
-        checkpoint(ref, reentrant=False)
+        enable_activation_checkpointing(ref, reentrant=False)
     ref.train()
     for b in batches:
         ref(**b).loss.backward()
@@ -38,7 +38,7 @@ def test_sketch_equals_dense_gradient_times_projection(arch, checkpointing, shar
     batches = [token_batch(vocab, seed=s) for s in range(3)]  # three accumulated micro-batches
     dense = _dense_reference(model, batches, checkpointing)
     if checkpointing:
-        checkpoint(model, reentrant=False)
+        enable_activation_checkpointing(model, reentrant=False)
     model.train()
     opt = LoGRAOptimizer(model, LoGRAConfig(rank=8, share_projections=share))
     for b in batches:
@@ -146,7 +146,7 @@ def test_reentrant_checkpointing_still_sketches_first_layer():
     model = tiny_qwen2()
     batches = [token_batch(97)]
     dense = _dense_reference(model, batches)
-    checkpoint(model, reentrant=True)
+    enable_activation_checkpointing(model, reentrant=True)
     model.train()
     opt = LoGRAOptimizer(model, LoGRAConfig(rank=8))
     model(**batches[0]).loss.backward()
