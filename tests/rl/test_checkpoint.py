@@ -263,3 +263,21 @@ def test_sigkill_at_many_random_points_then_resume_is_bitwise(tmp_path):
     landed = _killed_run_matches_uninterrupted(tmp_path, points)
     print(f"kill points tried: {len(points)}, landed before the run finished: {landed}")
     assert landed >= len(points) // 2
+
+
+def test_a_new_run_refuses_a_folder_that_holds_another_run(tmp_path, monkeypatch):
+    """Without --resume, a second run in the same --run_dir used to append to the first one's
+    metrics: its summary took the first run's start evaluation (here, 4 problems) as its own
+    and the plots drew both runs. It is refused in one line, the folder left as it was, and
+    the first run still resumes."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    common = [*TINY, "--run_dir", str(run), "--cache_dir", str(tmp_path / "cache")]
+    assert train_main([*common, "--updates", "1", "--eval_problems", "4", "--checkpoint_every", "1"]) == 0
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(SystemExit, match=r"already holds another run's records.*--resume"):
+        train_main([*common, "--updates", "2"])
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    assert train_main(["--resume", str(run), "--updates", "2", "--quiet"]) == 0
+    evals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
+    assert [(e["update"], e["problems"]) for e in evals] == [(0, 4), (1, 4), (2, 4)]

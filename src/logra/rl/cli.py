@@ -216,7 +216,10 @@ def _run(config: RLConfig, resume: bool, quiet: bool) -> None:
             trainer.load_checkpoint()
         except LoGRAError as e:  # a damaged checkpoint, or one another optimizer wrote: one line
             raise SystemExit(f"logra train: {e}") from None
-    trainer.train()
+    try:
+        trainer.train()
+    except FileExistsError as e:  # a fresh run in a folder that holds another run
+        raise SystemExit(f"logra train: {e}") from None
 
 
 def _dp_rank(rank: int, world: int, store: str, config: RLConfig, resume: bool, quiet: bool) -> None:

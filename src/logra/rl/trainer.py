@@ -127,8 +127,20 @@ class RLTrainer:
 
     # ------------------------------------------------------------- the run
     def train(self) -> dict[str, Any]:
-        """Run the remaining updates with evaluations, checkpoints, plots and a summary."""
+        """Run the remaining updates with evaluations, checkpoints, plots and a summary.
+
+        Raises:
+            FileExistsError: a run that was not resumed (`load_checkpoint`) finds another run's
+                records in ``run_dir``; nothing in the folder is changed.
+        """
         cfg = self.config
+        if self.num_updates == 0 and self._evaluated_at < 0 and self.log.read():
+            # appending would mix two runs: the summary's gain would start from the other run's
+            # first evaluation, and the plots would draw both
+            raise FileExistsError(
+                f"{self.run_dir} already holds another run's records ({self.log.path}): continue that run "
+                f"with `logra train --resume {self.run_dir}` (if it left a checkpoint), or give this one "
+                f"another --run_dir, or delete {self.log.path}")
         if self.rank == 0:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         if self.num_updates == 0:
