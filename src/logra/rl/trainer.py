@@ -131,7 +131,7 @@ class RLTrainer:
 
         Raises:
             FileExistsError: a run that was not resumed (`load_checkpoint`) finds another run's
-                records in ``run_dir``; nothing in the folder is changed.
+                records in ``run_dir``; its records, config and checkpoint are left as they were.
         """
         cfg = self.config
         if self.num_updates == 0 and self._evaluated_at < 0 and self.log.read():
