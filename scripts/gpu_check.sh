@@ -86,22 +86,9 @@ fi
 step cuda_tests "$T_TESTS" "$PY" -m pytest -q -rs -p no:cacheprovider -k cuda tests/parallel/test_vllm.py
 
 TRAIN=(-m logra.cli train --device cuda --updates "$UPDATES" --eval_every "$UPDATES" --eval_problems 500
-       --checkpoint_every 0 --quiet --cache_dir "$WORK/cache")
+       --checkpoint_every 0 --cache_dir "$WORK/cache")  # not --quiet: the run's summary table ends the log
 step train_logra "$T_TRAIN" "$PY" "${TRAIN[@]}" --run_dir "$WORK/logra"
 step train_adamw "$T_TRAIN" "$PY" "${TRAIN[@]}" --optimizer adamw --lr 0.001 --run_dir "$WORK/adamw"
-for run in logra adamw; do  # the held-out curve, time per update and peak CUDA memory of each run
-    [[ -f $WORK/$run/metrics.jsonl ]] && "$PY" - "$WORK/$run/metrics.jsonl" <<'PYEOF' | tee -a "$OUT_DIR/train_$run.log"
-import json, statistics, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-ev = [r for r in rows if r["kind"] == "eval"]
-tr = [r for r in rows if r["kind"] == "train"]
-print(sys.argv[1], "| Pass@1", " -> ".join(f"{r['pass@1']:.3f}" for r in ev),
-      f"| s/update {statistics.median(r['time_update'] for r in tr):.3f}",
-      f"| peak CUDA GiB {max(r.get('peak_mem_gib', float('nan')) for r in tr):.3f}",
-      f"| median alpha {statistics.median(r['alpha'] for r in tr):.2f}",
-      f"| realised/budget {sum(r['realized_kl'] for r in tr) / sum(r['effective_budget'] for r in tr):.2f}")
-PYEOF
-done
 
 step bench_memory "$T_BENCH" "$PY" -m logra.cli bench memory --device cuda --repeats "$REPEATS" \
     --out "$WORK/bench_memory.json"
