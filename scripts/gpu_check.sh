@@ -22,6 +22,8 @@
 #    train_adamw   the same with dense AdamW (the guard's perturbed swap)         T_TRAIN
 #    bench_memory  `logra bench memory --device cuda` at the ~330M shape, fp32;
 #                  then with --checkpointing and bf16 autocast                   T_BENCH
+#    projection_draw  scripts/bench_projection_draw.py: the host's time to draw the
+#                  330M shape's projections, in place and drawn ahead              T_DRAW
 #    vllm_engine   the real-engine tests, only if `import vllm` works             T_VLLM
 #  Logs and summary.txt go to $OUT (the device tool's output folder) or ./gpu_check_out.
 #
@@ -38,6 +40,7 @@ T_TESTS=${T_TESTS:-120}
 T_TRAIN=${T_TRAIN:-120}
 T_BENCH=${T_BENCH:-180}
 T_VLLM=${T_VLLM:-300}
+T_DRAW=${T_DRAW:-60}
 UPDATES=${UPDATES:-60}
 REPEATS=${REPEATS:-2}
 SKIP=${SKIP:-}
@@ -94,6 +97,7 @@ step bench_memory "$T_BENCH" "$PY" -m logra.cli bench memory --device cuda --rep
     --out "$WORK/bench_memory.json"
 step bench_memory_ckpt "$T_BENCH" "$PY" -m logra.cli bench memory --device cuda --repeats "$REPEATS" \
     --checkpointing --autocast bf16 --out "$WORK/bench_memory_ckpt.json"
+step projection_draw "$T_DRAW" "$PY" scripts/bench_projection_draw.py --threads 1 "$(nproc)" --repeats 2
 
 if "$PY" -c "import vllm" 2>/dev/null; then
     export VLLM_ENABLE_V1_MULTIPROCESSING=0
