@@ -89,9 +89,9 @@ def test_refresh_every_k():
 
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
 def test_the_next_projections_are_drawn_ahead_and_installed_as_drawn(distribution, monkeypatch):
-    """Each install starts drawing the projections one update later on host threads (one job
-    per torch thread) where they will change; the next install puts those very tensors in
-    force, equal to the projections of the new index drawn in place."""
+    """Each install starts drawing the projections one update later on host threads
+    (Rademacher: one job per torch thread) where they will change; the next install puts
+    those very tensors in force, equal to the projections of the new index drawn in place."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     model = tiny_qwen2()
     cfg = LoGRAConfig(rank=4, refresh_every=2, distribution=distribution)
@@ -99,7 +99,7 @@ def test_the_next_projections_are_drawn_ahead_and_installed_as_drawn(distributio
     assert opt.projector._ahead is None  # index 0 stays in force after update 1
     train_steps(model, opt, 1)
     index, jobs = opt.projector._ahead  # after update 1: index 2 comes with update 2
-    assert index == 2 and len(jobs) == 2
+    assert index == 2 and len(jobs) == (2 if distribution == "rademacher" else 1)
     drawn = {k: v for job in jobs for k, v in job.result().items()}
     assert set(drawn) == set(opt.targets)
     train_steps(model, opt, 1, seed0=1)

@@ -179,16 +179,19 @@ os.register_at_fork(after_in_child=_draw_pool.cache_clear)
 
 def _draw_on_host(config: LoGRAConfig, index: int,
                   widths: dict[str, int]) -> tuple[int, list[Future[dict[str, torch.Tensor]]]]:
-    """Start drawing the stored projections of projection ``index`` on the host, one
-    ``{key: stored}`` job per thread that torch may use (``torch.get_num_threads()``), over
-    ``widths`` (projection key → in_features). Returns ``(index, jobs)``."""
+    """Start drawing the stored projections of projection ``index`` on the host, over
+    ``widths`` (projection key → in_features): Rademacher ones as one ``{key: stored}`` job
+    per thread that torch may use (``torch.get_num_threads()``), the others as one job.
+    Returns ``(index, jobs)``."""
 
     def draw(keys: list[str]) -> dict[str, torch.Tensor]:
         return {key: _stored_projection(config.rank, widths[key], projection_seed(config.seed, index, key),
                                         config.distribution, None) for key in keys}
 
     keys = sorted(widths, key=widths.__getitem__, reverse=True)  # widest first: even shares
-    threads = max(1, min(torch.get_num_threads(), len(keys)))
+    # a Rademacher draw is a serial kernel and a numpy loop; the other distributions run
+    # torch's parallel kernels, whose thread teams several drawing threads would multiply
+    threads = max(1, min(torch.get_num_threads(), len(keys))) if config.distribution == "rademacher" else 1
     return index, [_draw_pool().submit(draw, keys[i::threads]) for i in range(threads)]
 
 
