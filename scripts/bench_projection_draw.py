@@ -1,11 +1,11 @@
 """Time putting new projections in force, as the paper's refresh after every update does.
 
 For the 330M-parameter Qwen2 shape of ``logra bench memory`` (rank 256: 168 targets), the
-table gives the seconds `LoGRAOptimizer`'s projector spends installing the projections of
-the next update (a) drawn in place, at each host thread count, and (b) after they were drawn
-ahead on host threads while the rest of the update ran (here: a wait until that draw is
-done, which is what a rollout or a GPU's forward and backward give it). (b) is what stays on
-the update's critical path; (a) is the draw itself.
+table gives, per host thread count (``torch.set_num_threads``), the seconds the optimizer's
+projector takes (a) to install the next update's projections drawn in place, (b) to draw
+them ahead on host threads (the wall time from the previous install until the draw is done:
+what must fit under the next rollout, or a GPU's forward and backward, to be hidden), and
+(c) to install them once drawn ahead. (c) is what stays on the update's critical path.
 
     python scripts/bench_projection_draw.py --threads 1 2 --repeats 3
 """
@@ -40,30 +40,29 @@ def main() -> None:
     opt = LoGRAOptimizer(model, LoGRAConfig(rank=args.rank))
     projector, beta2 = opt.projector, opt.param_groups[0]["beta2"]
     print(f"{len(opt.targets)} targets, rank {args.rank}, hidden {s['hidden']}, intermediate {s['intermediate']}")
-    print("| host threads | drawn in place (s) | drawn ahead, then installed (s) |")
-    print("|---|---|---|")
+    print("| host threads | (a) drawn in place, installed (s) | (b) drawn ahead: the draw's wall time (s) "
+          "| (c) drawn ahead, installed (s) |")
+    print("|---|---|---|---|")
     updates = 1
     for threads in args.threads:
         torch.set_num_threads(threads)
-        inline, ahead = [], []
+        rows: list[list[float]] = [[], [], []]
         for _ in range(args.repeats):
-            projector._ahead = None  # nothing drawn ahead: the install draws
-            t0 = time.perf_counter()
-            projector.install(updates, beta2)
-            inline.append(time.perf_counter() - t0)
-            updates += 1
-            pending = getattr(projector, "_ahead", None)  # started by the install above
-            if pending is None:
-                continue
-            for job in pending[1]:
+            for job in getattr(projector._ahead, "jobs", []):  # none may run beside the in-place draw
                 job.result()
+            projector._ahead = None
             t0 = time.perf_counter()
-            projector.install(updates, beta2)
-            ahead.append(time.perf_counter() - t0)
-            updates += 1
-        shown = f"{statistics.median(ahead):.3f}" if ahead else "not drawn ahead"
-        print(f"| {threads} | {statistics.median(inline):.3f} | {shown} |")
-
+            projector.install(updates, beta2)  # draws in place, then starts the next draw ahead
+            t1 = time.perf_counter()
+            for job in projector._ahead.jobs:
+                job.result()
+            t2 = time.perf_counter()
+            projector.install(updates + 1, beta2)
+            t3 = time.perf_counter()
+            updates += 2
+            for row, seconds in zip(rows, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                row.append(seconds)
+        print(f"| {threads} | " + " | ".join(f"{statistics.median(r):.3f}" for r in rows) + " |")
 
 if __name__ == "__main__":
     main()

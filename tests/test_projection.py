@@ -18,6 +18,7 @@ from logra.projection import (
     build_projection,
     make_projection,
     pack_signs,
+    projection_key,
     projection_seed,
     rademacher_signs,
     unpack_projection,
@@ -87,28 +88,45 @@ def test_refresh_every_k():
 
 
 
-@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
-def test_the_next_projections_are_drawn_ahead_and_installed_as_drawn(distribution, monkeypatch):
-    """Each install starts drawing the projections one update later on host threads
-    (Rademacher: one job per torch thread) where they will change; the next install puts
-    those very tensors in force, equal to the projections of the new index drawn in place."""
+@pytest.mark.parametrize("refresh_every, share", [(1, False), (2, True)])
+def test_the_next_projections_are_drawn_ahead_and_installed_as_drawn(refresh_every, share, monkeypatch):
+    """Each install starts drawing the Rademacher projections one update later on host
+    threads (one job per torch thread) where they will change; the next install puts those
+    very bits in force, equal to the projections of the new index drawn in place."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     model = tiny_qwen2()
-    cfg = LoGRAConfig(rank=4, refresh_every=2, distribution=distribution)
+    cfg = LoGRAConfig(rank=4, refresh_every=refresh_every, share_projections=share)
     opt = LoGRAOptimizer(model, cfg)
-    assert opt.projector._ahead is None  # index 0 stays in force after update 1
+    for step in range(4):
+        ahead = opt.projector._ahead
+        if (step + 1) % refresh_every:
+            assert ahead is None  # the projections in force stay for the next update
+            train_steps(model, opt, 1, seed0=step)
+            continue
+        assert ahead.index == step + 1 and len(ahead.jobs) == 2
+        drawn = {key: bits for job in ahead.jobs for key, bits in job.result().items()}
+        train_steps(model, opt, 1, seed0=step)
+        for name in opt.targets:
+            t, key = opt.sketch_target(name), projection_key(name, share)
+            assert t.stored_projection is drawn[key]
+            reference = make_projection(4, t.in_features, projection_seed(cfg.seed, step + 1, key))
+            assert torch.equal(t.projection, reference), name
+
+
+def test_a_draw_ahead_is_not_used_by_another_process_nor_for_fp32_projections():
+    """A forked child draws in place (its parent's threads are not its own); Gaussian
+    projections (fp32, 32x the host memory of sign bits) are never drawn ahead."""
+    model = tiny_qwen2()
+    opt = LoGRAOptimizer(model, LoGRAConfig(rank=4))
+    inherited = opt.projector._ahead._replace(pid=-1)  # as a forked child sees it
+    drawn = {key: bits for job in inherited.jobs for key, bits in job.result().items()}
+    opt.projector._ahead = inherited
     train_steps(model, opt, 1)
-    index, jobs = opt.projector._ahead  # after update 1: index 2 comes with update 2
-    assert index == 2 and len(jobs) == (2 if distribution == "rademacher" else 1)
-    drawn = {k: v for job in jobs for k, v in job.result().items()}
-    assert set(drawn) == set(opt.targets)
-    train_steps(model, opt, 1, seed0=1)
     for name in opt.targets:
         t = opt.sketch_target(name)
-        assert t.stored_projection is drawn[name]
-        reference = make_projection(4, t.in_features, projection_seed(cfg.seed, 2, name), distribution)
-        assert torch.equal(t.projection, reference), name
-    assert opt.projector._ahead is None
+        assert t.stored_projection is not drawn[name] and torch.equal(t.stored_projection, drawn[name])
+    gaussian = LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=4, distribution="gaussian"))
+    assert gaussian.projector._ahead is None
 
 
 @pytest.mark.parametrize("width", [1, 7, 8, 13, 64])

@@ -6,9 +6,10 @@ one on a receiver through the same drawing and unpacking, bit for bit.
 A projection is ``[r, in]`` with ``E[AᵀA] = I``, so ``S A = G AᵀA`` is an unbiased
 estimate of the dense gradient ``G`` from its sketch ``S = G Aᵀ``. Matrices are drawn on
 the CPU with a `torch.Generator`, which gives the same bits on every machine, and only
-then moved to the weight's device. Where projections change between updates, `Projector`
-draws the next ones on host threads as soon as an update is installed, so the draw runs
-while the next rollout, forward and backward do (on a GPU, the host is otherwise idle then).
+then moved to the weight's device. Where Rademacher projections change between updates,
+`Projector` draws the next ones on host threads as soon as an update is installed, so the
+draw runs while the next rollout, forward and backward do (on a GPU the host is otherwise
+idle then).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -169,7 +170,7 @@ def _stored_projection(rank: int, in_features: int, seed: int, distribution: str
 
 @functools.cache
 def _draw_pool() -> ThreadPoolExecutor:
-    """The process's host threads for drawing projections (idle unless projections change)."""
+    """The process's host threads for drawing projections ahead (started on first use)."""
     return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="logra-projection")
 
 
@@ -177,22 +178,32 @@ def _draw_pool() -> ThreadPoolExecutor:
 os.register_at_fork(after_in_child=_draw_pool.cache_clear)
 
 
-def _draw_on_host(config: LoGRAConfig, index: int,
-                  widths: dict[str, int]) -> tuple[int, list[Future[dict[str, torch.Tensor]]]]:
-    """Start drawing the stored projections of projection ``index`` on the host, over
-    ``widths`` (projection key → in_features): Rademacher ones as one ``{key: stored}`` job
-    per thread that torch may use (``torch.get_num_threads()``), the others as one job.
-    Returns ``(index, jobs)``."""
+class _DrawnAhead(NamedTuple):
+    """The stored Rademacher projections of one projection index, being drawn on host threads."""
+
+    index: int
+    pid: int  # the process that started the jobs: a forked child cannot wait on them
+    jobs: list[Future[dict[str, torch.Tensor]]]
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
+
+
+def _draw_ahead(config: LoGRAConfig, index: int, widths: dict[str, int]) -> _DrawnAhead:
+    """Start drawing the packed Rademacher signs of projection ``index`` for ``widths``
+    (projection key → in_features) on the host, one ``{key: bits}`` job per thread torch may
+    use (``torch.get_num_threads()``): the draw is a serial kernel and a numpy loop, so the
+    threads run side by side."""
+    rank, seed = config.rank, config.seed
 
     def draw(keys: list[str]) -> dict[str, torch.Tensor]:
-        return {key: _stored_projection(config.rank, widths[key], projection_seed(config.seed, index, key),
-                                        config.distribution, None) for key in keys}
+        return {key: _stored_projection(rank, widths[key], projection_seed(seed, index, key), "rademacher", None)
+                for key in keys}
 
     keys = sorted(widths, key=widths.__getitem__, reverse=True)  # widest first: even shares
-    # a Rademacher draw is a serial kernel and a numpy loop; the other distributions run
-    # torch's parallel kernels, whose thread teams several drawing threads would multiply
-    threads = max(1, min(torch.get_num_threads(), len(keys))) if config.distribution == "rademacher" else 1
-    return index, [_draw_pool().submit(draw, keys[i::threads]) for i in range(threads)]
+    threads = max(1, min(torch.get_num_threads(), len(keys)))
+    return _DrawnAhead(index, os.getpid(), [_draw_pool().submit(draw, keys[i::threads]) for i in range(threads)])
 
 
 def materialize(stored: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -223,9 +234,9 @@ class Projector:
     and the input statistics they come from, and the cache of ``A Aᵀ``. `install` draws
     the projections for a given number of applied updates and, on request, returns the old
     and new bases that state kept in sketch coordinates needs to follow them. Each `install`
-    also starts drawing, on host threads, the projections one update later if they will
-    differ (refresh after every update, or the last update of a window), so that their draw
-    overlaps the next update's work; what the next `install` gets is bitwise the same.
+    also starts drawing, on host threads, the Rademacher projections one update later if
+    they will differ (refresh after every update, or the last update of a window), so that
+    their draw overlaps the next update's work; the next `install` takes those very bits.
 
     Attributes:
         index: the projection index in force (None before the first `install`).
@@ -243,10 +254,12 @@ class Projector:
         # A Aᵀ by id of the stored projection (kept with it): formed once per projection in
         # force where projections stay for several updates
         self._grams: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # the stored projections of the next index, being drawn on the host (the wider kept
-        # as bits only: Rademacher ones take ``r·in/8`` bytes of host memory until installed)
-        self._ahead: tuple[int, list[Future[dict[str, torch.Tensor]]]] | None = None
-        self._widths = {projection_key(n, config.share_projections): t.in_features for n, t in targets.items()}
+        # the next index's packed signs while they are drawn: r·in/8 bytes of host memory per
+        # projection (fp32 ones, 32x more, are not drawn ahead)
+        self._ahead: _DrawnAhead | None = None
+        self._widths: dict[str, int] = {}
+        for name, target in targets.items():
+            self._widths.setdefault(projection_key(name, config.share_projections), target.in_features)
 
     def index_after(self, updates: int) -> int:
         """The projection index in force after ``updates`` applied updates."""
@@ -268,18 +281,22 @@ class Projector:
         cfg = self.config
         scales = self.next_column_scales(beta2) if scales is None else scales
         ahead, self._ahead = self._ahead, None
-        if ahead is None or ahead[0] != index:
-            ahead = _draw_on_host(cfg, index, self._widths)
         host: dict[str, torch.Tensor] = {}
-        for job in ahead[1]:
-            host.update(job.result())
+        if ahead is not None and ahead.index == index and ahead.pid == os.getpid():
+            host = {key: bits for job in ahead.jobs for key, bits in job.result().items()}
+        elif ahead is not None:
+            ahead.cancel()
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         drawn: dict[str, torch.Tensor] = {}  # by projection key: shared members share the tensor
         for name, target in self.targets.items():
             key = projection_key(name, cfg.share_projections)
             old = target.projection if bases else None  # rebuilt only where it is used
-            if key not in drawn:
-                drawn[key] = host[key].to(target.weight.device)
+            if key in host:
+                drawn[key] = host.pop(key).to(target.weight.device)
+            elif key not in drawn:
+                seed = projection_seed(cfg.seed, index, key)
+                drawn[key] = _stored_projection(cfg.rank, target.in_features, seed, cfg.distribution,
+                                                target.weight.device)
             stored = drawn[key]
             if name in scales:
                 stored = materialize(stored, target.in_features) * scales[name]
@@ -295,11 +312,16 @@ class Projector:
         return out
 
     def _draw_ahead(self, updates: int) -> None:
-        """Start drawing the projections in force after ``updates + 1`` updates if they
-        differ from those in force (and are not being drawn already)."""
+        """Start drawing the Rademacher projections in force after ``updates + 1`` updates if
+        they differ from those in force (and are not being drawn already)."""
         following = self.index_after(updates + 1)
-        if following != self.index and (self._ahead is None or self._ahead[0] != following):
-            self._ahead = _draw_on_host(self.config, following, self._widths)
+        if self.config.distribution != "rademacher" or following == self.index:
+            return
+        if self._ahead is not None:
+            if self._ahead.index == following and self._ahead.pid == os.getpid():
+                return
+            self._ahead.cancel()
+        self._ahead = _draw_ahead(self.config, following, self._widths)
 
     def gram(self, name: str) -> torch.Tensor:
         """``A Aᵀ`` (``[r, r]``) of target ``name``'s projection in force. Kept while the
