@@ -105,8 +105,7 @@ def pack_signs(signs: torch.Tensor) -> torch.Tensor:
 
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Nonzero entries of a CPU ``[rank, in]`` tensor as `pack_signs`'s set bits."""
-    # numpy's packbits is one C loop: ~30x faster than shifts and a sum in torch, which
-    # matters where all projections are redrawn after every update
+    # numpy's packbits is one C loop, ~30x faster than shifts and a sum in torch
     return torch.from_numpy(np.packbits(bits.numpy(), axis=1, bitorder="little"))
 
 
