@@ -99,14 +99,10 @@ def signs_to_projection(signs: torch.Tensor, rank: int | None = None) -> torch.T
 
 def pack_signs(signs: torch.Tensor) -> torch.Tensor:
     """``[rank, in]`` ±1 signs as bits, ``[rank, ⌈in/8⌉]`` uint8 (bit ``j`` of byte ``k`` is 1
-    where column ``8k + j`` is +1): an eighth of int8, a thirty-second of fp32."""
-    return _pack_bits((signs > 0).cpu()).to(signs.device)
-
-
-def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """Nonzero entries of a CPU ``[rank, in]`` tensor as `pack_signs`'s set bits."""
+    where column ``8k + j`` is +1, or 1 for 0/1 bits): an eighth of int8, a thirty-second of fp32."""
     # numpy's packbits is one C loop, ~30x faster than shifts and a sum in torch
-    return torch.from_numpy(np.packbits(bits.numpy(), axis=1, bitorder="little"))
+    bits = np.packbits((signs > 0).cpu().numpy(), axis=1, bitorder="little")
+    return torch.from_numpy(bits).to(signs.device)
 
 
 @functools.cache
@@ -163,7 +159,7 @@ def _stored_projection(rank: int, in_features: int, seed: int, distribution: str
     """A projection as kept in memory: a Rademacher one as packed sign bits (1/32 of fp32),
     the others as the fp32 matrix."""
     if distribution == "rademacher":
-        return _pack_bits(_rademacher_bits(rank, in_features, seed)).to(device)
+        return pack_signs(_rademacher_bits(rank, in_features, seed)).to(device)
     return make_projection(rank, in_features, seed, distribution, device)
 
 
@@ -183,6 +179,10 @@ class _DrawnAhead(NamedTuple):
     index: int
     pid: int  # the process that started the jobs: a forked child cannot wait on them
     jobs: list[Future[dict[str, torch.Tensor]]]
+
+    def serves(self, index: int) -> bool:
+        """Whether these jobs draw projection ``index`` for this process."""
+        return self.index == index and self.pid == os.getpid()
 
     def cancel(self) -> None:
         for job in self.jobs:
@@ -281,7 +281,7 @@ class Projector:
         scales = self.next_column_scales(beta2) if scales is None else scales
         ahead, self._ahead = self._ahead, None
         host: dict[str, torch.Tensor] = {}
-        if ahead is not None and ahead.index == index and ahead.pid == os.getpid():
+        if ahead is not None and ahead.serves(index):
             host = {key: bits for job in ahead.jobs for key, bits in job.result().items()}
         elif ahead is not None:
             ahead.cancel()
@@ -317,7 +317,7 @@ class Projector:
         if self.config.distribution != "rademacher" or following == self.index:
             return
         if self._ahead is not None:
-            if self._ahead.index == following and self._ahead.pid == os.getpid():
+            if self._ahead.serves(following):
                 return
             self._ahead.cancel()
         self._ahead = _draw_ahead(self.config, following, self._widths)
