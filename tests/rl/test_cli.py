@@ -13,7 +13,7 @@ from conftest import save_local_model
 from logra import cli
 from logra.errors import MissingExtraError
 from logra.rl import RLConfig, build_task, rank_for_width, recipe_config
-from logra.rl.cli import _parser, build_config
+from logra.rl.cli import _parser, build_config, run_config
 from logra.rl.cli import main as train_main
 
 # one short update and a small evaluation: what matters is that each task kind runs
@@ -130,6 +130,15 @@ def test_a_model_run_gets_the_embedded_update_with_the_rank_of_its_width(tmp_pat
                        "--run_dir", str(run)]) == 0
     saved = json.loads((run / "config.json").read_text())["logra"]
     assert (saved["rank"], saved["optimizer"]) == (32, "adam")
+
+
+def test_run_config_reads_back_what_a_finished_run_was_started_with(tmp_path):
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        run_config(tmp_path)
+    _run(tmp_path, *TINY, "--seed", "5", "--task_config", "{min_terms: 2, max_terms: 2}", "--kl.budget", "0.002")
+    config = run_config(tmp_path / "run")
+    assert (config.seed, config.task_config, config.kl.budget) == (5, {"min_terms": 2, "max_terms": 2}, 0.002)
+    assert (config.logra.rank, config.tiny.sft_steps, config.max_new_tokens) == (4, 2, 4)
 
 
 def test_help_shows_the_embedded_defaults(capsys):

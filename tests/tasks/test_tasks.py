@@ -10,6 +10,7 @@ from fractions import Fraction
 
 import pytest
 
+from logra.rl.evaluation import distinct_problems
 from logra.tasks import (
     EXTRACT_MODES,
     REASONING_GYM_HARD,
@@ -239,6 +240,16 @@ def test_train_eval_disjoint_even_for_tiny_problem_space(arith):
     evals = {p.prompt for s in range(3) for p in arith.problems("eval", 30, seed=s)}
     assert len(train) > 100 and len(evals) > 5
     assert train.isdisjoint(evals)
+
+
+def test_distinct_problems_stay_in_their_split_without_repeats(arith):
+    # ~240 questions, ~25 of them held out: the first 150 training draws repeat some
+    pools = {"train": distinct_problems(arith, 150, seed=3, split="train"),
+             "eval": distinct_problems(arith, 20, seed=3)}
+    for split, pool in pools.items():
+        questions = [p.metadata["entry"]["question"] for p in pool]
+        assert len(set(questions)) == len(questions) == {"train": 150, "eval": 20}[split]
+        assert {base.split_of(q, arith.eval_fraction) for q in questions} == {split}
 
 
 def test_rg_problems_deterministic_prefix_and_seeded(arith):

@@ -113,6 +113,18 @@ def build_config(values: dict[str, Any], recipe: str | None = None) -> RLConfig:
         raise SystemExit(f"logra train: {e}") from None
 
 
+def run_config(run_dir: str | Path) -> RLConfig:
+    """The `RLConfig` a run with a checkpoint was started with (its verified ``config.json``).
+
+    Raises:
+        SystemExit: the run has no checkpoint, or its config fails verification or is refused.
+    """
+    try:
+        return build_config(_flatten(read_checkpoint_config(Path(run_dir))))
+    except LoGRAError as e:
+        raise SystemExit(f"logra: {e}") from None
+
+
 def load_config_file(path: str) -> dict[str, Any]:
     """Dotted keys of a YAML (.yaml/.yml) or TOML (.toml) config file."""
     p = Path(path)

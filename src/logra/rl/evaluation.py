@@ -18,13 +18,17 @@ from .rollout import generate_rollouts
 logger = logging.getLogger(__name__)
 
 
-def distinct_problems(task: Task, n: int, seed: int) -> list[Problem]:
-    """``n`` held-out problems with distinct prompts (fewer, with a warning, if the split is smaller)."""
+def distinct_problems(task: Task, n: int, seed: int, split: str = "eval") -> list[Problem]:
+    """``n`` problems of ``split`` with distinct prompts (fewer, with a warning, if the split is smaller).
+
+    ``split='train'`` gives questions the policy trains on (small problem spaces repeat
+    them), to set its Pass@1 on seen questions beside the held-out one.
+    """
     seen: dict[str, Problem] = {}
     draws = n
     while len(seen) < n and draws <= 64 * n:
         try:
-            pool = task.problems("eval", draws, seed=seed)
+            pool = task.problems(split, draws, seed=seed)
         except RuntimeError:
             break
         for p in pool:
@@ -32,7 +36,7 @@ def distinct_problems(task: Task, n: int, seed: int) -> list[Problem]:
         draws *= 2
     chosen = list(seen.values())[:n]
     if len(chosen) < n:
-        logger.warning("the eval split holds only %d distinct problems (asked %d)", len(chosen), n)
+        logger.warning("the %s split holds only %d distinct problems (asked %d)", split, len(chosen), n)
     return chosen
 
 

@@ -1,0 +1,74 @@
+"""Pass@1 on questions the policy trained on beside held-out ones, for finished `logra train` runs.
+
+Tasks split their questions between training and evaluation by a hash of the text; where
+the question space is small (the embedded default's chain_sum of 2-3 one-digit terms holds
+4200 questions, so 256 prompts an update see each training question about every 13
+updates), a policy can raise its reward by remembering answers without getting better on
+held-out questions. This script evaluates each run's starting policy and its final
+checkpoint on ``--problems`` distinct training-split questions and on the run's own
+held-out pool (the same problems, samples and random numbers as the run's evaluations), and
+prints both gains. Runs whose checkpoint holds the whole policy (LoGRA, dense AdamW); LoRA
+checkpoints are refused.
+
+    python scripts/seen_vs_heldout.py runs/s15/w384-logra-b8e-3-u600-s0 runs/s15/w384-adamw3e-3-b8e-3-u600-s0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model
+
+from logra.rl.build import load_policy
+from logra.rl.checkpoint import checkpoint_dir
+from logra.rl.cli import run_config
+from logra.rl.config import build_task
+from logra.rl.evaluation import distinct_problems, evaluate
+
+
+def seen_and_heldout(run_dir: Path, problems: int) -> dict[str, float]:
+    """Start and final Pass@1 of one run on training-split and held-out questions."""
+    config = run_config(run_dir)
+    if config.optimizer == "lora":
+        raise SystemExit(f"{run_dir}: a LoRA run's checkpoint holds adapters, not the policy")
+    task = build_task(config)
+    model, tokenizer, _ = load_policy(config, task, progress=False)
+    model.eval()
+    pools = {"seen": distinct_problems(task, problems, config.seed, split="train"),
+             "held-out": distinct_problems(task, problems, config.seed)}
+    row = {}
+    for when in ("start", "final"):
+        if when == "final":
+            load_model(model, str(checkpoint_dir(run_dir) / "model.safetensors"))  # tied weights were saved once
+        for name, pool in pools.items():
+            row[f"{when} {name}"] = evaluate(model, tokenizer, task, pool, config.eval_samples, config, -1)["pass@1"]
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="finished `logra train` run directories")
+    p.add_argument("--problems", type=int, default=500, help="distinct questions of each split")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = {}
+    print("| run | seen: start → final (gain) | held-out: start → final (gain) | held-out gain / seen gain |")
+    print("|---|---|---|---|")
+    for run in args.runs:
+        r = rows[str(run)] = seen_and_heldout(run, args.problems)
+        seen, held = r["final seen"] - r["start seen"], r["final held-out"] - r["start held-out"]
+        ratio = f"{held / seen:.2f}" if seen > 0 else "—"
+        print(f"| {run.name} | {100 * r['start seen']:.1f} → {100 * r['final seen']:.1f} ({100 * seen:+.1f}) "
+              f"| {100 * r['start held-out']:.1f} → {100 * r['final held-out']:.1f} ({100 * held:+.1f}) | {ratio} |",
+              flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
