@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--problems", type=int, default=500, help="distinct questions of each split")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="also plot each run's held-out gain against its gain on seen questions")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rows = {}
@@ -68,6 +70,31 @@ def main() -> None:
               flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        _plot(rows, args.plot)
+
+
+def _plot(rows: dict[str, dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 5.2))
+    top = 0.0
+    for run, r in rows.items():
+        seen, held = 100 * (r["final seen"] - r["start seen"]), 100 * (r["final held-out"] - r["start held-out"])
+        top = max(top, seen, held)
+        ax.scatter(seen, held, s=24)
+        ax.annotate(Path(run).name, (seen, held), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.plot([0, top], [0, top], color="grey", lw=0.8, ls="--", label="held-out gain = seen gain")
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set_xlabel("Pass@1 gain on trained-on questions (points)")
+    ax.set_ylabel("Pass@1 gain on held-out questions (points)")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":
