@@ -1,11 +1,12 @@
 """Pass@1 on questions the policy trained on beside held-out ones, for finished `logra train` runs.
 
-Tasks split their questions between training and evaluation by a hash of the text; where
-the question space is small (the embedded default's chain_sum of 2-3 one-digit terms holds
-4200 questions, so 256 prompts an update see each training question about every 13
-updates), a policy can raise its reward by remembering answers without getting better on
-held-out questions. This script evaluates each run's starting policy and its final
-checkpoint on ``--problems`` distinct training-split questions and on the run's own
+Tasks split their questions between training and evaluation by a hash of the text, and a
+run draws each update's prompts from a fixed pool of its first 2000 training problems (so
+resume is exact): over hundreds of updates a policy sees each pool problem dozens of times and
+can raise its reward by remembering answers without getting better on held-out questions.
+This script evaluates each run's starting policy and its final
+checkpoint on ``--problems`` distinct training-split questions (the first ones of the pool's
+stream: all of them were trained on) and on the run's own
 held-out pool (the same problems, samples and random numbers as the run's evaluations), and
 prints both gains. Runs whose checkpoint holds the whole policy (LoGRA, dense AdamW); LoRA
 checkpoints are refused.
@@ -50,14 +51,23 @@ def seen_and_heldout(run_dir: Path, problems: int) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+", type=Path, help="finished `logra train` run directories")
+    p.add_argument("runs", nargs="*", type=Path, help="finished `logra train` run directories")
     p.add_argument("--problems", type=int, default=500, help="distinct questions of each split")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
+    p.add_argument("--from_json", type=Path, default=None,
+                   help="plot the rows an earlier --out wrote (evaluating nothing) instead of RUNS")
     p.add_argument("--plot", type=Path, default=None,
                    help="also plot each run's held-out gain against its gain on seen questions")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.from_json:
+        if not args.plot:
+            raise SystemExit("--from_json only replots: give --plot PNG")
+        _plot(json.loads(args.from_json.read_text()), args.plot)
+        return
+    if not args.runs:
+        raise SystemExit("give finished run directories (or --from_json with --plot)")
     rows = {}
     print("| run | seen: start → final (gain) | held-out: start → final (gain) | held-out gain / seen gain |")
     print("|---|---|---|---|")
@@ -75,18 +85,23 @@ def main() -> None:
 
 
 def _plot(rows: dict[str, dict[str, float]], path: Path) -> None:
+    """Held-out gain against seen gain, one colour per (optimizer, width) read from each run's config."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 5.2))
-    top = 0.0
+    groups: dict[str, list[tuple[float, float]]] = {}
     for run, r in rows.items():
+        config = run_config(run)
+        width = config.tiny.hidden_size if not config.model else config.model
         seen, held = 100 * (r["final seen"] - r["start seen"]), 100 * (r["final held-out"] - r["start held-out"])
-        top = max(top, seen, held)
-        ax.scatter(seen, held, s=24)
-        ax.annotate(Path(run).name, (seen, held), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        groups.setdefault(f"{config.optimizer}, width {width}", []).append((seen, held))
+    top = max(max(x, y) for points in groups.values() for x, y in points)
+    for label, points in sorted(groups.items()):
+        ax.scatter(*zip(*points, strict=True), s=28, label=f"{label} ({len(points)} runs)",
+                   marker="o" if label.startswith("logra") else "s")
     ax.plot([0, top], [0, top], color="grey", lw=0.8, ls="--", label="held-out gain = seen gain")
     ax.axhline(0, color="black", lw=0.5)
     ax.set_xlabel("Pass@1 gain on trained-on questions (points)")
