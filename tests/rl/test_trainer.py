@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -109,6 +110,33 @@ def test_resume_continues_exactly(tmp_path, options):
         assert torch.equal(a, b), n
     rows = [json.loads(line) for line in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows if r["kind"] == "train"] == [0, 1, 2, 3]
+
+
+class _RecordingTask(VowelTask):
+    """Records every problem the trainer grades, in order."""
+
+    def __init__(self) -> None:
+        self.graded: list = []
+
+    def score(self, problem, response: str) -> float:
+        self.graded.append(problem)
+        return super().score(problem, response)
+
+
+@pytest.mark.parametrize(("train_pool", "size"), [(0, 2000), (6, 6)], ids=["default", "pool-6"])
+def test_each_updates_prompts_are_sampled_from_the_configured_training_pool(tmp_path, train_pool, size):
+    model, tok = _policy()
+    task = _RecordingTask()
+    cfg = _config(tmp_path, train_pool=train_pool, seed=3)
+    trainer = RLTrainer(cfg, model=model, tokenizer=tok, task=task, progress=False)
+    for _ in range(3):
+        trainer.train_step()
+    pool = task.problems("train", size, seed=3)
+    # the default's draw is the one every earlier run made (exact resume, unchanged bits)
+    expected = [p for u in range(3) for p in random.Random(3 * 1_000_003 + u).sample(pool, 4) for _ in range(4)]
+    assert [p.prompt for p in task.graded] == [p.prompt for p in expected]
+    with pytest.raises(ValueError, match="train_pool"):
+        _config(tmp_path, train_pool=3)  # fewer than one update's prompts
 
 
 def test_grader_failures_are_counted(tmp_path):

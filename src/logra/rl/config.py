@@ -53,6 +53,11 @@ class RLConfig:
             (running baseline, truncated importance sampling).
         updates: number of optimizer updates.
         prompts_per_update: prompts sampled per update.
+        train_pool: how many problems of the task's training stream each update's prompts are
+            sampled from (0 = max(2000, 4 × prompts_per_update)). Every pool problem is seen about
+            ``updates × prompts_per_update / train_pool`` times; a pool of ``updates ×
+            prompts_per_update`` or more lets questions rarely repeat, where the task's question
+            space allows it (the embedded task's training split holds about 3 300 questions).
         responses_per_prompt: responses per prompt (the GRPO group size).
         micro_batch: sequences per forward/backward pass.
         temperature: sampling temperature (also used in the loss and KL probe).
@@ -106,6 +111,7 @@ class RLConfig:
     algorithm: Literal["grpo", "reinforce"] = "grpo"
     updates: int = 2000
     prompts_per_update: int = 32
+    train_pool: int = 0
     responses_per_prompt: int = 8
     micro_batch: int = 8
     temperature: float = 1.0
@@ -148,7 +154,8 @@ class RLConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
-        non_negative = ("eval_every", "checkpoint_every", "threads", "rollout_workers", "lora_rank", "ref_kl_coef")
+        non_negative = ("eval_every", "checkpoint_every", "threads", "rollout_workers", "lora_rank", "ref_kl_coef",
+                        "train_pool")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ValueError(f"RLConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -165,6 +172,10 @@ class RLConfig:
             raise ValueError(f"lr_schedule={self.lr_schedule!r} applies to the adamw and lora baselines only; "
                              f"optimizer={self.optimizer!r} has no learning-rate schedule (the KL budget sizes "
                              "its steps: kl.budget -> kl.budget_final)")
+        if 0 < self.train_pool < self.prompts_per_update:
+            raise ValueError(f"train_pool ({self.train_pool}) must be 0 (the default pool) or at least "
+                             f"prompts_per_update ({self.prompts_per_update}): each update samples its prompts "
+                             "from the pool without replacement")
         if self.algorithm == "grpo" and self.responses_per_prompt < 2:
             raise ValueError("GRPO needs responses_per_prompt >= 2 (advantages are group-normalised)")
         if self.dp < 1 or self.prompts_per_update % self.dp:

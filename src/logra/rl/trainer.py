@@ -277,8 +277,8 @@ class RLTrainer:
     def _train_problems(self, update: int) -> list[Problem]:
         """The prompts of ``update``: a fixed function of (seed, update), so resume is exact."""
         if self._pool is None:
-            self._pool = self.task.problems("train", max(2000, 4 * self.config.prompts_per_update),
-                                            seed=self.config.seed)
+            size = self.config.train_pool or max(2000, 4 * self.config.prompts_per_update)
+            self._pool = self.task.problems("train", size, seed=self.config.seed)
         rng = random.Random(self.config.seed * 1_000_003 + update)
         chosen = rng.sample(self._pool, self.config.prompts_per_update)
         return chosen[self.rank:: self.world]  # whole groups per rank
