@@ -1,12 +1,13 @@
 """Pass@1 on questions the policy trained on beside held-out ones, for finished `logra train` runs.
 
 Tasks split their questions between training and evaluation by a hash of the text, and a
-run draws each update's prompts from a fixed pool of its first 2000 training problems (so
-resume is exact): over hundreds of updates a policy sees each pool problem dozens of times and
-can raise its reward by remembering answers without getting better on held-out questions.
-This script evaluates each run's starting policy and its final
+run draws each update's prompts from a fixed pool of its first training problems (so resume
+is exact; ``--train_pool``, by default 2000): over hundreds of updates a policy sees each pool
+problem dozens of times and can raise its reward by remembering answers without getting better
+on held-out questions. This script evaluates each run's starting policy and its final
 checkpoint on ``--problems`` distinct training-split questions (the first ones of the pool's
-stream: all of them were trained on) and on the run's own
+stream: with the default pool all of them were trained on; a pool entry is drawn about
+updates × prompts_per_update / train_pool times, so a larger pool can miss a few) and on the run's own
 held-out pool (the same problems, samples and random numbers as the run's evaluations), and
 prints both gains. Runs whose checkpoint holds the whole policy (LoGRA, dense AdamW); LoRA
 checkpoints are refused.
@@ -97,7 +98,8 @@ def _plot(rows: dict[str, dict[str, float]], path: Path) -> None:
         config = run_config(run)
         width = config.tiny.hidden_size if not config.model else config.model
         seen, held = 100 * (r["final seen"] - r["start seen"]), 100 * (r["final held-out"] - r["start held-out"])
-        groups.setdefault(f"{config.optimizer}, width {width}", []).append((seen, held))
+        pool = f", pool {config.train_pool}" if config.train_pool else ""
+        groups.setdefault(f"{config.optimizer}, width {width}{pool}", []).append((seen, held))
     top = max(max(x, y) for points in groups.values() for x, y in points)
     for label, points in sorted(groups.items()):
         ax.scatter(*zip(*points, strict=True), s=28, label=f"{label} ({len(points)} runs)",
