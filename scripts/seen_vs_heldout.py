@@ -7,7 +7,8 @@ problem dozens of times and can raise its reward by remembering answers without 
 on held-out questions. This script evaluates each run's starting policy and its final
 checkpoint on ``--problems`` distinct training-split questions (the first ones of the pool's
 stream: with the default pool all of them were trained on; a pool entry is drawn about
-updates × prompts_per_update / train_pool times, so a larger pool can miss a few) and on the run's own
+updates × prompts_per_update / train_pool times, so where a larger pool holds a question only
+once it may never have been drawn) and on the run's own
 held-out pool (the same problems, samples and random numbers as the run's evaluations), and
 prints both gains. Runs whose checkpoint holds the whole policy (LoGRA, dense AdamW); LoRA
 checkpoints are refused.
