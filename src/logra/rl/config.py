@@ -56,8 +56,9 @@ class RLConfig:
         train_pool: how many problems of the task's training stream each update's prompts are
             sampled from (0 = max(2000, 4 × prompts_per_update)). Every pool problem is seen about
             ``updates × prompts_per_update / train_pool`` times, so a pool of ``updates ×
-            prompts_per_update`` draws each entry about once. Questions still repeat where the task's question space is small
-            (the embedded task's training split holds about 3 300 distinct questions).
+            prompts_per_update`` draws each entry about once. Questions still repeat where the
+            task's question space is small (the embedded task's training split holds about 3 300
+            distinct questions).
         responses_per_prompt: responses per prompt (the GRPO group size).
         micro_batch: sequences per forward/backward pass.
         temperature: sampling temperature (also used in the loss and KL probe).
