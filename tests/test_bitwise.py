@@ -140,6 +140,7 @@ def train_digest(tmp: Path) -> str:
             "--eval_problems", "2",
             "--eval_every", "0", "--checkpoint_every", "0", "--kl.probe_responses", "2", "--logra.rank", "4",
             "--kl.budget", "1e-3", "--kl.budget_final", "1e-4",  # the embedded default's when digests were recorded
+            "--train_pool", "0",  # likewise its pool: max(2000, 4 x prompts)
             "--logra.non_target", "freeze", "--tiny.sft_steps", "2", "--tiny.sft_batch_size", "2",
             "--tiny.num_demonstrations", "8", "--max_new_tokens", "6", "--quiet",
             "--run_dir", str(tmp / "run"), "--cache_dir", str(tmp / "cache")]

@@ -65,6 +65,7 @@ def test_each_task_kind_runs_on_the_tiny_policy(tmp_path, math_file, kind):
     assert config["model"] == "" and config["logra"]["rank"] == 4
     assert config["task_config"] is None and config["strip_prefix"] is None and config["partial_credit"] is False
     assert config["extract"] == "full" and config["instruction"] == ""  # the tiny policy answers bare
+    assert config["train_pool"] == 0  # the pool of every chain_sum question is chain_sum's
 
 
 @pytest.mark.parametrize("kind", ["reasoning-gym", "mixture", "math", "rg-hard"])
@@ -91,9 +92,10 @@ def test_embedded_recipe_is_the_default_and_its_task_options_stay_with_chain_sum
         ("reinforce", 256, 1, 700)
     assert (embedded.kl.budget, embedded.kl.budget_final) == (4e-3, 4e-4)
     assert embedded.task_config == {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+    assert embedded.train_pool == 700 * 256  # every question of the training split (section 28)
     other = build_config({"task": "basic_arithmetic"}, "embedded")
     assert other.logra.rank == 48 and other.task_config is None and other.strip_prefix is None
-    assert other.max_new_tokens == 16
+    assert other.max_new_tokens == 16 and other.train_pool == 0
     plain = build_config({"model": "/some/path"})
     assert plain.logra.rank == 256 and plain.max_new_tokens == 512 and plain.extract is None
 
@@ -135,7 +137,8 @@ def test_a_model_run_gets_the_embedded_update_with_the_rank_of_its_width(tmp_pat
 def test_run_config_reads_back_what_a_finished_run_was_started_with(tmp_path):
     with pytest.raises(SystemExit, match="no checkpoint"):
         run_config(tmp_path)
-    _run(tmp_path, *TINY, "--seed", "5", "--task_config", "{min_terms: 2, max_terms: 2}", "--kl.budget", "0.002")
+    _run(tmp_path, *TINY, "--seed", "5", "--task_config", "{min_terms: 2, max_terms: 2}", "--kl.budget", "0.002",
+         "--train_pool", "0")  # not the recipe's pool of 179 200 draws (~5 s to build)
     config = run_config(tmp_path / "run")
     assert (config.seed, config.task_config, config.kl.budget) == (5, {"min_terms": 2, "max_terms": 2}, 0.002)
     assert (config.logra.rank, config.tiny.sft_steps, config.max_new_tokens) == (4, 2, 4)
