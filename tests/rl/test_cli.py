@@ -65,7 +65,7 @@ def test_each_task_kind_runs_on_the_tiny_policy(tmp_path, math_file, kind):
     assert config["model"] == "" and config["logra"]["rank"] == 4
     assert config["task_config"] is None and config["strip_prefix"] is None and config["partial_credit"] is False
     assert config["extract"] == "full" and config["instruction"] == ""  # the tiny policy answers bare
-    assert config["train_pool"] == 0  # the pool of every chain_sum question is chain_sum's
+    assert config["train_pool"] == 0  # the recipe's pool belongs to chain_sum: another task gets the generic one
 
 
 @pytest.mark.parametrize("kind", ["reasoning-gym", "mixture", "math", "rg-hard"])
