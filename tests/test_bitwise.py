@@ -5,7 +5,7 @@ digests in ``bitwise_hashes.json`` were recorded with the code as it was before 
 functional core (issue 19) and are checked against the code as it is now. Float results
 depend on the kernels torch picks for this CPU and on transformers' model code, so the
 digests are keyed by platform (torch, transformers and reasoning-gym versions, CPU
-capability); on a platform with no record the test skips, saying how to record one
+capability and vendor); on a platform with no record the test skips, saying how to record one
 (``python tests/test_bitwise.py --record``, on code known to be right: a commit before
 the change under test).
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -58,15 +60,31 @@ DENSE_CONFIGS: dict[str, dict] = {
 }
 
 
+def _cpu_vendor() -> str:
+    """The CPU's vendor: MKL picks its kernels by vendor as well as by instruction set (an AMD Zen 4
+    and an Intel Xeon, both AVX-512 to torch, give different bits)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def _platform() -> str:
-    """What the bits depend on: torch's kernels for this CPU, transformers' model code and
-    initialisation, and reasoning-gym's problems (the `logra train` row)."""
+    """What the bits depend on: torch's kernels for this CPU (its instruction set, the vendor MKL
+    dispatches on, and the variables that cap MKL's and oneDNN's instruction sets), transformers'
+    model code and initialisation, and reasoning-gym's problems (the `logra train` row)."""
     import importlib.metadata
 
     import transformers
 
-    return (f"torch-{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}-transformers-"
-            f"{transformers.__version__}-reasoning-gym-{importlib.metadata.version('reasoning-gym')}")
+    caps = "".join(f"-{v}={os.environ[v]}" for v in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+                   if v in os.environ)
+    return (f"torch-{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}-{_cpu_vendor()}{caps}-"
+            f"transformers-{transformers.__version__}-reasoning-gym-{importlib.metadata.version('reasoning-gym')}")
 
 
 def logra_digest(options: dict) -> str:
