@@ -46,6 +46,10 @@ class ProjectionMismatchError(LoGRAError):
     """Ranks drew different projections (or sketch different targets); their sketches cannot be summed."""
 
 
+class RankMismatchError(LoGRAError):
+    """Data-parallel ranks hold different weights: one summed step would keep them apart."""
+
+
 class SyncError(LoGRAError):
     """A policy-sync link failed or a peer broke the protocol."""
 

@@ -96,7 +96,8 @@ class DenseUpdater:
         self.optimizer = optimizer
 
     def check_ranks(self) -> None:
-        """Nothing to check: a dense step has no randomness of its own."""
+        """Nothing to check beyond the starting weights (`logra.parallel.verify_weights`, which
+        the trainer runs for every optimizer): a dense step has no randomness of its own."""
 
     def reduce(self) -> None:
         """All-reduce the gradients, flattened into one buffer (one collective)."""

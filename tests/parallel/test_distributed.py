@@ -13,6 +13,7 @@ from conftest import tiny_qwen2, token_batch
 from logra import LoGRAConfig, LoGRAOptimizer, apply_delta
 from logra.parallel import (
     ProjectionMismatchError,
+    RankMismatchError,
     RowShardedLoGRA,
     allreduce_bytes,
     allreduce_sketches,
@@ -21,6 +22,7 @@ from logra.parallel import (
     init_local,
     spawn_local,
     verify_projections,
+    verify_weights,
 )
 from logra.projection import stable_name
 
@@ -138,6 +140,20 @@ def _mismatch(rank: int, which: str) -> str:
     return ""
 
 
+def _weights_mismatch(rank: int) -> str:
+    """verify_weights on equal models, then with one parameter differing on rank 1 only."""
+    model = tiny_qwen2()
+    verify_weights(model)  # equal: no error
+    if rank == 1:
+        with torch.no_grad():
+            model.model.layers[1].mlp.up_proj.weight[3, 5] += 1e-6
+    try:
+        verify_weights(model)
+    except RankMismatchError as e:
+        return str(e)
+    return ""
+
+
 def _rank_main(rank: int, world: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     out = Path(out)
@@ -152,6 +168,7 @@ def _rank_main(rank: int, world: int, store: str, out: str) -> None:
             results[f"fsdp_{name}"] = _fsdp_train(rank, world, name, out)
         results["mismatch_seed"] = _mismatch(rank, "seed")
         results["mismatch_layer"] = _mismatch(rank, "layer")
+        results["mismatch_weights"] = _weights_mismatch(rank)
         torch.save(results, out / f"rank{rank}.pt")
     except BaseException:
         (out / f"error{rank}.txt").write_text(traceback.format_exc())
@@ -220,6 +237,12 @@ def test_verify_projections_names_first_differing_layer(ranks):
         assert "rank 1 has sync=" in r["mismatch_seed"] and "'seed': 43" in r["mismatch_seed"]
         assert repr(targets[2]) in r["mismatch_layer"] and "first differing layer" in r["mismatch_layer"]
         assert repr(targets[0]) not in r["mismatch_layer"]
+
+
+def test_verify_weights_names_first_differing_parameter(ranks):
+    for r in ranks:  # every rank raises the same error, so none is left waiting in a collective
+        assert r["mismatch_weights"].startswith("rank 1 starts from other weights than rank 0")
+        assert "'model.layers.1.mlp.up_proj.weight'" in r["mismatch_weights"]
 
 
 def test_allreduce_bytes():

@@ -194,7 +194,7 @@ def test_bad_input_is_refused_before_work(tmp_path):
         RLConfig(optimizer="logra", lr_schedule="constant")
 
 
-def _dp_rank(rank: int, world: int, store: str, root: str) -> None:
+def _dp_rank(rank: int, world: int, store: str, root: str, optimizer: str) -> None:
     import torch.distributed as dist
 
     from logra import weights_checksum
@@ -203,7 +203,7 @@ def _dp_rank(rank: int, world: int, store: str, root: str) -> None:
     init_local(rank, world, store)
     try:
         model, tok = _policy()
-        cfg = _config(__import__("pathlib").Path(root), updates=2)
+        cfg = _config(__import__("pathlib").Path(root), updates=2, optimizer=optimizer)
         trainer = RLTrainer(cfg, model=model, tokenizer=tok, task=VowelTask(), progress=False)
         trainer.train()
         digest = weights_checksum(trainer.model)
@@ -212,11 +212,16 @@ def _dp_rank(rank: int, world: int, store: str, root: str) -> None:
         dist.destroy_process_group()
 
 
-def test_data_parallel_two_ranks_stay_identical(tmp_path):
-    """Two ranks split the prompts, all-reduce one sketch buffer and apply the same step."""
+@pytest.mark.parametrize("optimizer", ["logra", "lora"])
+def test_data_parallel_two_ranks_stay_identical(tmp_path, optimizer):
+    """Two ranks split the prompts, all-reduce one sketch buffer (LoRA: the adapters'
+    gradients) and apply the same step. Spawned ranks start from unrelated torch RNG states,
+    so LoRA's adapters must be drawn from the run's seed to match."""
     from logra.parallel import spawn_local
 
-    assert spawn_local(_dp_rank, 2, args=(str(tmp_path),), timeout=300) == [0, 0]
+    if optimizer == "lora":
+        pytest.importorskip("peft")
+    assert spawn_local(_dp_rank, 2, args=(str(tmp_path), optimizer), timeout=300) == [0, 0]
     assert (tmp_path / "digest0").read_text() == (tmp_path / "digest1").read_text()
     model, _ = _policy()
     from logra import weights_checksum
@@ -364,6 +369,27 @@ def test_baseline_learning_rate_follows_its_schedule(tmp_path, optimizer, schedu
                 for k in range(updates + 1)]
     assert seen == pytest.approx(expected, rel=1e-12, abs=1e-15)
     assert (seen[-1] == 0.0) == (schedule == "cosine")
+
+
+def test_lora_adapters_are_drawn_from_the_run_seed(tmp_path):
+    """One command, one start: LoRA's adapters depend on ``seed`` only, not on the state torch's
+    global generator happens to be in (torch seeds it afresh in every process)."""
+    pytest.importorskip("peft")
+    from logra.rl.build import build_optimizer
+
+    def adapters(seed: int, global_seed: int) -> dict[str, torch.Tensor]:
+        policy = _policy()[0]
+        torch.manual_seed(global_seed)  # another process's generator
+        model = build_optimizer(_config(tmp_path, optimizer="lora", seed=seed), policy)[0]
+        after = torch.rand(1)  # the global generator is left where it was
+        torch.manual_seed(global_seed)
+        assert torch.equal(after, torch.rand(1))
+        return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
+
+    first, other_process, other_seed = adapters(0, 1), adapters(0, 2), adapters(1, 1)
+    assert first and first.keys() == other_process.keys()
+    assert all(torch.equal(first[n], other_process[n]) for n in first)
+    assert not any(torch.equal(first[n], other_seed[n]) for n in first)
 
 
 def test_dense_step_on_a_model_loaded_by_from_pretrained(tmp_path):

@@ -49,6 +49,7 @@ from ..errors import (
     LinkError,
     NoWorkersLeftError,
     ProjectionMismatchError,
+    RankMismatchError,
     SyncError,
     TrainerLostError,
 )
@@ -64,6 +65,7 @@ from .data import (
     spawn_local,
     sum_over_ranks,
     verify_projections,
+    verify_weights,
 )
 from .fsdp import RowShardedLoGRA
 from .identity import PolicyIdentity
@@ -73,8 +75,10 @@ from .worker import RolloutWorker
 
 __all__ = [
     "DistInfo", "HandshakeError", "LinkError", "NoWorkersLeftError", "PolicyIdentity", "PolicyPublisher",
-    "ProjectionMismatchError", "PublishReport", "RolloutWorker", "RowShardedLoGRA", "SyncError", "SyncTestHooks",
+    "ProjectionMismatchError", "PublishReport", "RankMismatchError", "RolloutWorker", "RowShardedLoGRA", "SyncError",
+    "SyncTestHooks",
     "TrainerLostError", "WorkerRollout", "WorkerStatus", "allreduce_bytes", "allreduce_sketches",
     "count_loss_tokens", "decode_full_weights", "default_backend", "encode_full_weights", "global_token_count",
     "init_from_env", "init_local", "load_full_weights", "spawn_local", "sum_over_ranks", "verify_projections",
+    "verify_weights",
 ]

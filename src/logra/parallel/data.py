@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ProjectionMismatchError
+from ..errors import ProjectionMismatchError, RankMismatchError
 from ..optimizer import LoGRAOptimizer
 
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -294,8 +294,37 @@ def allreduce_bytes(optimizer: LoGRAOptimizer) -> tuple[int, int]:
     return sketch.numel() * sketch.element_size() + dense_extra, dense_targets + dense_extra
 
 
-def _projection_digest(a: torch.Tensor) -> str:
+def _digest(a: torch.Tensor) -> str:
     return hashlib.blake2b(a.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
+
+
+def verify_weights(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Check that every rank holds bit-identical parameters, whatever the optimizer.
+
+    Call once at start: the ranks apply one summed step, so ranks that start apart stay apart
+    and each generates from its own policy, with no error. (Two ways it happens: parameters
+    drawn from torch's global generator, which torch 2.13 seeds afresh in every process, such
+    as unseeded LoRA adapters; a model loaded from different files.) All ranks all-gather a
+    digest of each parameter and compare with rank 0; every rank raises the same error. It
+    reads every parameter once, on the CPU.
+
+    Raises:
+        RankMismatchError: naming the first rank and the first parameter that differ.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    mine = [(name, list(p.shape), _digest(p)) for name, p in model.named_parameters()]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(gathered)))
+    for rank, other in zip(ranks[1:], gathered[1:], strict=True):
+        if [t[:2] for t in other] != [t[:2] for t in gathered[0]]:
+            raise RankMismatchError(f"rank {rank} holds other parameters (names or shapes) than rank {ranks[0]}")
+        for (name, _, digest_ref), (_, _, digest) in zip(gathered[0], other, strict=True):
+            if digest != digest_ref:
+                raise RankMismatchError(
+                    f"rank {rank} starts from other weights than rank {ranks[0]}: first differing parameter "
+                    f"{name!r} (digest {digest} vs {digest_ref})")
 
 
 def verify_projections(optimizer: LoGRAOptimizer, group: dist.ProcessGroup | None = None) -> None:
@@ -311,7 +340,7 @@ def verify_projections(optimizer: LoGRAOptimizer, group: dist.ProcessGroup | Non
     mine: dict[str, Any] = {
         "num_updates": optimizer.num_updates,
         "sync": optimizer.config.sync_fields(),
-        "targets": [(n, list(optimizer.projection(n).shape), _projection_digest(optimizer.projection(n)))
+        "targets": [(n, list(optimizer.projection(n).shape), _digest(optimizer.projection(n)))
                     for n in optimizer.targets],
     }
     if not dist.is_initialized() or dist.get_world_size(group) == 1:

@@ -102,7 +102,13 @@ def build_optimizer(
         rank = config.lora_rank or config.logra.rank
         lora = peft.LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
                                target_modules=target_module_names(model, config.logra.target_modules))
-        model = peft.get_peft_model(model, lora)
+        # The adapters are part of the run's start: drawn from its seed, not from torch's global
+        # generator, which torch seeds afresh in every process (so two runs of one command, or
+        # two data-parallel ranks, would start from different adapters).
+        device = next(model.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(config.seed)
+            model = peft.get_peft_model(model, lora)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
                                       betas=betas, weight_decay=0.0)
     total = max(config.updates, 1)

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from ..delta import weights_checksum
 from ..errors import ChecksumMismatchError
 from ..optimizer import LoGRAOptimizer
-from ..parallel import global_token_count, init_from_env
+from ..parallel import global_token_count, init_from_env, verify_weights
 from ..parallel.vllm import VLLMPolicy, make_engine
 from ..tasks import ChatTemplateTask, Problem, Task, is_correct
 from ..updater import controlled_step, make_updater
@@ -102,6 +102,7 @@ class RLTrainer:
         self.model, self.optimizer, self.scheduler = build_optimizer(config, model)
         self.updater = make_updater(self.model, self.optimizer)
         if self.world > 1:
+            verify_weights(self.model)
             self.updater.check_ranks()
         torch.manual_seed(config.seed * 1_000 + self.rank)  # each rank samples its own responses
         self.workers = None
