@@ -298,6 +298,14 @@ def _digest(a: torch.Tensor) -> str:
     return hashlib.blake2b(a.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
 
 
+def _gather_against_first(mine: Any, group: dist.ProcessGroup | None) -> tuple[int, Any, list[tuple[int, Any]]]:
+    """All-gather ``mine``: (first rank, its value, [(rank, value) of every other rank])."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(gathered)))
+    return ranks[0], gathered[0], list(zip(ranks[1:], gathered[1:], strict=True))
+
+
 def verify_weights(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Check that every rank holds bit-identical parameters, whatever the optimizer.
 
@@ -313,17 +321,15 @@ def verify_weights(model: torch.nn.Module, group: dist.ProcessGroup | None = Non
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    mine = [(name, list(p.shape), _digest(p)) for name, p in model.named_parameters()]
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(gathered)))
-    for rank, other in zip(ranks[1:], gathered[1:], strict=True):
-        if [t[:2] for t in other] != [t[:2] for t in gathered[0]]:
-            raise RankMismatchError(f"rank {rank} holds other parameters (names or shapes) than rank {ranks[0]}")
-        for (name, _, digest_ref), (_, _, digest) in zip(gathered[0], other, strict=True):
+    first, ref, others = _gather_against_first(
+        [(name, list(p.shape), _digest(p)) for name, p in model.named_parameters()], group)
+    for rank, other in others:
+        if [t[:2] for t in other] != [t[:2] for t in ref]:
+            raise RankMismatchError(f"rank {rank} holds other parameters (names or shapes) than rank {first}")
+        for (name, _, digest_ref), (_, _, digest) in zip(ref, other, strict=True):
             if digest != digest_ref:
                 raise RankMismatchError(
-                    f"rank {rank} starts from other weights than rank {ranks[0]}: first differing parameter "
+                    f"rank {rank} starts from other weights than rank {first}: first differing parameter "
                     f"{name!r} (digest {digest} vs {digest_ref})")
 
 
@@ -345,24 +351,21 @@ def verify_projections(optimizer: LoGRAOptimizer, group: dist.ProcessGroup | Non
     }
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    ref = gathered[0]
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(gathered)))
-    for rank, other in zip(ranks[1:], gathered[1:], strict=True):
+    head, ref, others = _gather_against_first(mine, group)
+    for rank, other in others:
         for key in ("num_updates", "sync"):
             if other[key] != ref[key]:
                 raise ProjectionMismatchError(
-                    f"rank {rank} has {key}={other[key]!r} but rank {ranks[0]} has {ref[key]!r}: "
+                    f"rank {rank} has {key}={other[key]!r} but rank {head} has {ref[key]!r}: "
                     "its projections cannot match")
         names_ref, names_other = [t[0] for t in ref["targets"]], [t[0] for t in other["targets"]]
         if names_ref != names_other:
             first = next((a, b) for a, b in zip(names_ref + [None], names_other + [None], strict=False) if a != b)
             raise ProjectionMismatchError(
-                f"rank {rank} sketches other targets than rank {ranks[0]}: first difference "
-                f"{first[1]!r} (rank {rank}) vs {first[0]!r} (rank {ranks[0]})")
+                f"rank {rank} sketches other targets than rank {head}: first difference "
+                f"{first[1]!r} (rank {rank}) vs {first[0]!r} (rank {head})")
         for (name, shape_ref, digest_ref), (_, shape, digest) in zip(ref["targets"], other["targets"], strict=True):
             if shape != shape_ref or digest != digest_ref:
                 raise ProjectionMismatchError(
-                    f"rank {rank} drew a different projection for {name!r} than rank {ranks[0]} "
+                    f"rank {rank} drew a different projection for {name!r} than rank {head} "
                     f"(shape {shape} vs {shape_ref}, digest {digest} vs {digest_ref}); first differing layer")
