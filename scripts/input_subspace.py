@@ -62,7 +62,8 @@ def main(argv: list[str]) -> None:
     if extra or args.resume or args.config:
         raise SystemExit("input_subspace.py: takes `logra train` flags only (no --resume, --config)")
     values = {k: v for k, v in vars(args).items() if k not in ("config", "resume", "quiet", "recipe")}
-    config = build_config(values, args.recipe or "embedded")
+    recipe = args.recipe or ("model" if values.get("model") else "embedded")  # as `logra train` picks it
+    config = build_config(values, None if recipe == "none" else recipe)
     if config.optimizer != "logra" or config.logra.refresh or config.logra.share_projections \
             or config.logra.column_scale != "none" or config.rollout_workers or config.rollout_engine != "hf" \
             or config.dp > 1:
