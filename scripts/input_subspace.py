@@ -29,6 +29,11 @@ from logra.rl import RLTrainer
 from logra.rl.cli import _parser, build_config
 
 
+def top_eigenvectors(gram: torch.Tensor, r: int) -> torch.Tensor:
+    """Orthonormal ``[in, r]`` basis of the top-``r`` eigenvectors of a symmetric ``in × in`` (float64)."""
+    return torch.linalg.eigh(gram.double())[1][:, -r:]
+
+
 def input_bases(trainer: RLTrainer, rank: int, names: Collection[str]) -> dict[str, torch.Tensor]:
     """Per ``nn.Linear`` weight in ``names``, ``[in, r]`` orthonormal top-``r`` eigenvectors of the
     second moment of its inputs over the first update's prompt tokens (float64)."""
@@ -54,7 +59,7 @@ def input_bases(trainer: RLTrainer, rank: int, names: Collection[str]) -> dict[s
     finally:
         for h in handles:
             h.remove()
-    return {n: torch.linalg.eigh(g)[1][:, -rank:] for n, g in grams.items()}
+    return {n: top_eigenvectors(g, rank) for n, g in grams.items()}
 
 
 def main(argv: list[str]) -> None:

@@ -35,19 +35,13 @@ from pathlib import Path
 
 import torch
 
-from logra.bench.spectrum import _LORA_A, _kind, _load, accumulated_updates, subspace_bases, warm_start_path
+from logra.bench.spectrum import _LORA_A, _kind, _load, _run_weights, subspace_bases
 from logra.projection import stable_name
 from logra.rl import RLTrainer
 from logra.rl.cli import _flatten, build_config
 
 sys.path.insert(0, str(Path(__file__).parent))
-from input_subspace import input_bases  # noqa: E402 - the experiment's own subspace
-
-
-def _top(gram: torch.Tensor, r: int) -> torch.Tensor:
-    """Orthonormal ``[in, r]`` basis of the top-``r`` eigenvectors of a symmetric ``in × in``."""
-    _, vectors = torch.linalg.eigh(gram.double())
-    return vectors[:, -r:]
+from input_subspace import input_bases, top_eigenvectors  # noqa: E402 - the experiment's own subspace
 
 
 def _inside(delta: torch.Tensor, basis: torch.Tensor) -> float:
@@ -93,7 +87,7 @@ def early_subspaces(run_dir: Path, rank: int, updates: list[int]) -> dict[str, d
             k = t.num_updates + 1
             if k in updates:
                 out[f"gradient, first {k} update{'s' * (k > 1)}"] = {
-                    stable_name(n): _top(g, rank) for n, g in grams.items()}
+                    stable_name(n): top_eigenvectors(g, rank) for n, g in grams.items()}
 
         trainer.add_gradient_hook(gradients)
         for _ in range(max(updates)):
@@ -101,7 +95,7 @@ def early_subspaces(run_dir: Path, rank: int, updates: list[int]) -> dict[str, d
         for h in handles:
             h.remove()
         trainer.close()
-    out["activations, first update"] = {stable_name(n): _top(a, rank) for n, a in acts.items()}
+    out["activations, first update"] = {stable_name(n): top_eigenvectors(a, rank) for n, a in acts.items()}
     out["prompts of the first update"] = prompts
     return out
 
@@ -129,9 +123,7 @@ def main() -> None:
     for i, run in enumerate(args.runs):
         config = json.loads((run / "config.json").read_text())
         rank = args.rank or int(config["logra"]["rank"])
-        deltas = accumulated_updates(run)
-        from safetensors.torch import load_file
-        w0 = {stable_name(k): v for k, v in load_file(str(warm_start_path(run) / "model.safetensors")).items()}
+        deltas, w0, _ = _run_weights(run)
         sources = early_subspaces(run, rank, sorted(set(args.updates)))
         sources["W_0"] = {n: torch.linalg.svd(w0[n].double(), full_matrices=False)[2][:rank].T for n in deltas}
         if args.lora:
