@@ -12,7 +12,7 @@ chosen from data could do. For each reference run (dense AdamW, say) it prints t
 * ``activations, first update``: the top-``r`` eigenvectors of ``Σ x xᵀ`` over the weight's
   inputs at the response and prompt tokens of the first update's loss passes;
 * ``prompts of the first update``: the same over the prompt tokens of the first update, one
-  forward pass before any training (what ``scripts/input_subspace.py`` installs);
+  forward pass before any training (the projection ``--logra.distribution inputs`` fits);
 * ``W_0``: the top-``r`` right singular vectors of the starting weight;
 * ``LoRA``: the row space of a LoRA run's final ``A`` (``--lora``);
 * ``LoGRA``: the fixed projection of a LoGRA run (``--logra``);
@@ -25,23 +25,35 @@ chosen from data could do. For each reference run (dense AdamW, say) it prints t
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from logra import LoGRAConfig, LoGRAOptimizer
 from logra.bench.spectrum import _LORA_A, _kind, _load, _run_weights, subspace_bases
 from logra.projection import stable_name
 from logra.rl import RLTrainer
 from logra.rl.cli import _flatten, build_config
 
-sys.path.insert(0, str(Path(__file__).parent))
-from input_subspace import input_bases, top_eigenvectors  # noqa: E402 - the experiment's own subspace
+
+def top_eigenvectors(gram: torch.Tensor, r: int) -> torch.Tensor:
+    """Orthonormal ``[in, r]`` basis of the top-``r`` eigenvectors of a symmetric ``in × in`` (float64)."""
+    return torch.linalg.eigh(gram.double())[1][:, -r:]
+
+
+def prompt_bases(trainer: RLTrainer, rank: int) -> dict[str, torch.Tensor]:
+    """Per decoder linear weight, the row space (``[in, r]``) of the projection that
+    ``distribution='inputs'`` fits on the trainer's first update (fitted on a copy of its model)."""
+    fitted = LoGRAOptimizer(copy.deepcopy(trainer.model),
+                            LoGRAConfig(rank=rank, distribution="inputs", refresh=False))
+    fitted.fit_projections(trainer._fit_batches())
+    return {n: torch.linalg.qr(fitted.projection(n).double().T)[0] for n in fitted.targets}
 
 
 def _inside(delta: torch.Tensor, basis: torch.Tensor) -> float:
@@ -58,7 +70,7 @@ def early_subspaces(run_dir: Path, rank: int, updates: list[int]) -> dict[str, d
         trainer = RLTrainer(config, progress=False)
         linears = {f"{name}.weight": m for name, m in trainer.model.named_modules()
                    if isinstance(m, torch.nn.Linear) and ".layers." in name}
-        prompts = {stable_name(n): q for n, q in input_bases(trainer, rank, linears).items()}
+        prompts = prompt_bases(trainer, rank)
         grams = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in linears.items()}
         acts = {name: torch.zeros_like(g) for name, g in grams.items()}
         # the first update's loss passes only: not its rollout (no grad) nor its KL probe (after the gradients)

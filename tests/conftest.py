@@ -65,6 +65,14 @@ def token_batch(vocab: int, batch: int = 3, length: int = 12, seed: int = 0) -> 
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def fit_if_needed(model, opt) -> None:
+    """Fit ``distribution='inputs'`` projections on a fixed ragged batch (the same one in every
+    process, as data parallelism needs); nothing for seeded projections."""
+    if opt.needs_fit:
+        b = token_batch(model.config.vocab_size, batch=4, seed=999)
+        opt.fit_projections([{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}])
+
+
 def train_steps(model, opt, steps: int, seed0: int = 0) -> list:
     """``steps`` LoGRA updates on fresh random batches; the policy deltas they produced."""
     deltas = []

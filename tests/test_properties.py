@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_qwen2, token_batch
+from conftest import fit_if_needed, tiny_qwen2, token_batch
 from logra import LoGRAConfig, LoGRAOptimizer, apply_delta
 
 
@@ -45,6 +45,8 @@ def random_config(rng: random.Random) -> LoGRAConfig:
         o.update(update_ratio=None, lr=rng.choice([0.01, 0.1]), weight_decay=rng.choice([0.0, 0.1]))
     else:
         o.update(update_ratio=rng.choice([6e-3, 3e-2]), trust_ratio=rng.choice(["global", "layer", "element"]))
+    if not o["refresh"] and o["seed"] % 3 == 1:  # from values already drawn, as above
+        o["distribution"] = "inputs"
     return LoGRAConfig(**o)
 
 
@@ -73,6 +75,7 @@ def check_invariants(case: int, tmp_path) -> None:
     where = f"case {case}: {cfg} {shape}"
     model, receiver = tiny_qwen2(**shape), tiny_qwen2(**shape)
     opt = LoGRAOptimizer(model, cfg)
+    fit_if_needed(model, opt)
     for delta in _train(model, opt, 3):
         apply_delta(receiver, delta, cfg)
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / f"{case}.pt")
@@ -88,8 +91,9 @@ def check_invariants(case: int, tmp_path) -> None:
     _same(model, resumed, f"resume, {where}")
 
 
-# 21 and 27 resume an element-wise second moment in the middle of its window
-DEFAULT_CASES = [*range(6), 21, 27]
+# 21 and 27 resume an element-wise second moment in the middle of its window; 8 fits its
+# projections to the inputs
+DEFAULT_CASES = [*range(6), 8, 21, 27]
 
 
 @pytest.mark.parametrize("case", DEFAULT_CASES)

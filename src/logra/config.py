@@ -16,7 +16,7 @@ DEFAULT_TARGETS: tuple[str, ...] = ("decoder-linear",)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _CHOICES = {
-    "distribution": ("rademacher", "gaussian", "orthogonal"),
+    "distribution": ("rademacher", "gaussian", "orthogonal", "inputs"),
     "optimizer": ("row_adam", "adam", "sgd"),
     "non_target": ("freeze", "adamw", "sketch"),
     "factor_dtype": tuple(_DTYPES),
@@ -43,7 +43,16 @@ class LoGRAConfig:
         rank: rows ``r`` of every projection ``A`` (``[r, in]``).
         seed: base seed; projections are rebuilt from (seed, update index, layer name).
         distribution: ``'rademacher'`` (±1/√r, paper), ``'gaussian'`` (N(0, 1/r)) or
-            ``'orthogonal'`` (orthonormal rows × √(in/r): ``AᵀA = I`` exactly at r = in).
+            ``'orthogonal'`` (orthonormal rows × √(in/r): ``AᵀA = I`` exactly at r = in), or
+            ``'inputs'`` (not in the paper): each ``nn.Linear`` target's projection spans the
+            top-``r`` principal subspace of its inputs, fitted once by
+            `LoGRAOptimizer.fit_projections` before the first update (``logra train`` fits it on
+            the first update's prompts) and scaled like ``'orthogonal'``; other targets
+            (embeddings) draw Rademacher projections from the seed. The accumulated update of a
+            fixed projection lives in its row space, and the inputs' principal subspace holds
+            most of dense AdamW's update where a random one holds ``r / in`` of it
+            (docs/learning.md). Needs ``refresh=False`` and ``column_scale='none'``; the fitted
+            projections travel with the first delta of each stream and in the optimizer state.
         refresh: draw new projections after updates (paper) instead of keeping one.
         refresh_every: refresh after every k-th update (1 = every update).
         optimizer: ``'row_adam'`` (paper: one second moment per output row), ``'adam'``
@@ -118,7 +127,7 @@ class LoGRAConfig:
 
     rank: int = 256
     seed: int = 42
-    distribution: Literal["rademacher", "gaussian", "orthogonal"] = "rademacher"
+    distribution: Literal["rademacher", "gaussian", "orthogonal", "inputs"] = "rademacher"
     refresh: bool = True
     refresh_every: int = 1
     optimizer: Literal["row_adam", "adam", "sgd"] = "row_adam"
@@ -164,6 +173,9 @@ class LoGRAConfig:
         if not self.target_modules:
             raise ValueError("LoGRAConfig.target_modules is empty")
         self._refuse_options_that_do_nothing()
+        if self.distribution == "inputs" and (self.refresh or self.column_scale != "none"):
+            raise ValueError("LoGRAConfig.distribution='inputs' fits one projection per layer for the run: it needs "
+                             "refresh=False and column_scale='none'")
         if self.column_scale != "none" and not self.refresh:
             raise ValueError("LoGRAConfig.column_scale='input' sets the scales at projection refreshes: "
                              "it needs refresh=True")

@@ -2,7 +2,9 @@
 
 Per target it carries the factor ``U`` (``[out, r]`` in ``factor_dtype``) of
 ``ΔW = -U A`` plus the seed information that rebuilds ``A``: ``out·r`` values instead of
-``out·in`` weights. Trainer and receivers share the two steps that decide the bits:
+``out·in`` weights. Projections fitted to the trainer's inputs (``distribution='inputs'``)
+cannot be rebuilt; the first delta of each stream carries them and receivers keep them.
+Trainer and receivers share the two steps that decide the bits:
 `merge_update` (the one merge) and `logra.projection.build_projection` (the one way a
 projection is drawn), so a receiver that applies the same deltas in order with
 `apply_delta` holds bitwise the same weights.
@@ -23,11 +25,13 @@ from torch import nn
 
 from .config import LoGRAConfig
 from .errors import DeltaMismatchError
-from .projection import build_projection, stable_name
+from .projection import build_projection, projection_key, stable_name
 
 _STEP_ATTR = "_logra_policy_step"
 _SCALE_KEY = "column_scale:"  # safetensors key prefix of a column-scale vector
 _DENSE_KEY = "dense:"  # safetensors key prefix of a densely trained non-target tensor
+_PROJECTION_KEY = "projection:"  # safetensors key prefix of a fitted projection
+_FITTED_ATTR = "_logra_fitted_projections"
 
 
 @dataclass
@@ -55,6 +59,13 @@ class PolicyDelta:
             to drift (a receiver in another dtype, e.g. a bf16 rollout copy, cannot hold
             the same bytes and is not checked).
         dtype: the dtype of the trainer's target weights (``'float32'``), with ``base_checksum``.
+        fitted: the targets whose projection was fitted to the trainer's inputs
+            (``distribution='inputs'``) rather than drawn from the seed.
+        projections: those fitted projections (``[r, in]`` fp32) by input group
+            (`logra.projection.projection_key` with ``shared=True``: the q/k/v and the gate/up
+            layers of a decoder layer read one input and have one), on the first delta of each
+            stream (the one with ``base_checksum``); later deltas name them in ``fitted`` and
+            receivers use the ones they kept.
     """
 
     step: int
@@ -69,12 +80,15 @@ class PolicyDelta:
     shapes: dict[str, list[int]] = field(default_factory=dict)
     base_checksum: str | None = None
     dtype: str | None = None
+    fitted: list[str] = field(default_factory=list)
+    projections: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the factors, column scales and dense tensors (the payload; seeds and
-        names are negligible)."""
-        tensors = [*self.factors.values(), *self.column_scales.values(), *self.dense.values()]
+        """Bytes of the factors, column scales, dense tensors and carried projections (the
+        payload; seeds and names are negligible)."""
+        tensors = [*self.factors.values(), *self.column_scales.values(), *self.dense.values(),
+                   *self.projections.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def to_bytes(self) -> bytes:
@@ -82,11 +96,12 @@ class PolicyDelta:
         header = {
             "step": self.step, "projection_index": self.projection_index, "sync": self.sync,
             "decay": self.decay, "checksum": self.checksum, "metadata": self.metadata,
-            "shapes": self.shapes, "base_checksum": self.base_checksum, "dtype": self.dtype,
+            "shapes": self.shapes, "base_checksum": self.base_checksum, "dtype": self.dtype, "fitted": self.fitted,
         }
         tensors = {name: u.detach().contiguous().cpu() for name, u in self.factors.items()}
         tensors.update({_SCALE_KEY + name: c.detach().contiguous().cpu() for name, c in self.column_scales.items()})
         tensors.update({_DENSE_KEY + name: t.detach().contiguous().cpu() for name, t in self.dense.items()})
+        tensors.update({_PROJECTION_KEY + name: a.detach().contiguous().cpu() for name, a in self.projections.items()})
         return _st_save(tensors, metadata={"logra": json.dumps(header)})
 
     @classmethod
@@ -109,11 +124,13 @@ class PolicyDelta:
                 raise ValueError("a safetensors file without the PolicyDelta header")
             header = json.loads(meta["logra"])
             tensors = _st_load(data)
-            parts: dict[str, dict[str, torch.Tensor]] = {"": {}, _SCALE_KEY: {}, _DENSE_KEY: {}}
+            prefixes = (_SCALE_KEY, _DENSE_KEY, _PROJECTION_KEY)
+            parts: dict[str, dict[str, torch.Tensor]] = {"": {}, **{p: {} for p in prefixes}}
             for key, value in tensors.items():
-                prefix = next((p for p in (_SCALE_KEY, _DENSE_KEY) if key.startswith(p)), "")
+                prefix = next((p for p in prefixes if key.startswith(p)), "")
                 parts[prefix][key[len(prefix):]] = value
-            return cls(factors=parts[""], column_scales=parts[_SCALE_KEY], dense=parts[_DENSE_KEY], **header)
+            return cls(factors=parts[""], column_scales=parts[_SCALE_KEY], dense=parts[_DENSE_KEY],
+                       projections=parts[_PROJECTION_KEY], **header)
         except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, SafetensorError) as e:
             detail = " ".join(str(e).split())[:200]
             raise DeltaMismatchError(f"these {len(data):,} bytes are not a serialised PolicyDelta: "
@@ -129,12 +146,37 @@ def check_sync(delta: PolicyDelta, config: LoGRAConfig) -> None:
 
 
 def delta_projection(delta: PolicyDelta, config: LoGRAConfig, name: str, in_features: int,
-                     device: torch.device | str | None = None) -> torch.Tensor:
-    """The projection that was in force for target ``name`` when ``delta`` was made
-    (`logra.projection.build_projection`: the trainer's own builder, times the delta's
-    column scales if it carries them)."""
-    return build_projection(config, name, delta.projection_index, in_features, device,
-                            delta.column_scales.get(name))
+                     device: torch.device | str | None = None,
+                     kept: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The projection that was in force for target ``name`` when ``delta`` was made:
+    `logra.projection.build_projection` (the trainer's own builder, times the delta's column
+    scales if it carries them), or for a fitted target the projection the delta carries or,
+    failing that, the one in ``kept`` (the receiver's, from the first delta of the stream).
+
+    Raises:
+        DeltaMismatchError: a fitted projection is neither carried nor kept, or has the wrong shape.
+    """
+    if name not in delta.fitted:
+        return build_projection(config, name, delta.projection_index, in_features, device,
+                                delta.column_scales.get(name))
+    group = projection_key(name, True)
+    a = delta.projections.get(group)
+    if a is None and kept is not None:
+        a = kept.get(group)
+    if a is None:
+        raise DeltaMismatchError(
+            f"update {delta.step}: the projection of {name} was fitted to the trainer's inputs and travels with the "
+            "first delta of the stream, which this receiver has not applied (restart the stream from its first "
+            "delta, or resume the trainer, whose next delta carries it)")
+    if tuple(a.shape) != (config.rank, in_features):
+        raise DeltaMismatchError(f"update {delta.step}: the fitted projection of {name} is {tuple(a.shape)}, "
+                                 f"expected {(config.rank, in_features)}")
+    return a if device is None else a.to(device)
+
+
+def kept_projections(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The fitted projections ``model`` received with the first delta of its stream (by input group)."""
+    return getattr(model, _FITTED_ATTR, {})
 
 
 def merge_update(weight: torch.Tensor, u: torch.Tensor, projection: torch.Tensor, decay: float) -> None:
@@ -199,7 +241,9 @@ def weights_checksum(model: nn.Module | Mapping[str, torch.Tensor], names: list[
 
 
 def apply_delta(model: nn.Module, delta: PolicyDelta, config: LoGRAConfig) -> None:
-    """Apply ``delta`` to a copy of the policy, rebuilding every projection from seeds.
+    """Apply ``delta`` to a copy of the policy, rebuilding every projection from seeds
+    (fitted ones, ``distribution='inputs'``, arrive with the stream's first delta and are
+    kept on ``model``).
 
     The model must have received every earlier delta (`policy_step`), so gaps and
     reorders are refused; so are deltas made with other sync fields, for weights of
@@ -229,7 +273,12 @@ def apply_delta(model: nn.Module, delta: PolicyDelta, config: LoGRAConfig) -> No
         if t.shape != params[name].shape:
             raise DeltaMismatchError(
                 f"delta's dense {name} is {tuple(t.shape)}, model's is {tuple(params[name].shape)}")
-    for kind, group in (("factor", delta.factors), ("column scale", delta.column_scales), ("dense", delta.dense)):
+    kept = kept_projections(model)
+    projections = {n: delta_projection(delta, config, n, params[n].shape[1], kept=kept)
+                   for n in delta.factors if n in delta.fitted}  # shapes and presence, before any change
+    groups = (("factor", delta.factors), ("column scale", delta.column_scales), ("dense", delta.dense),
+              ("projection", projections))
+    for kind, group in groups:
         for name, t in group.items():
             if t.numel() and not bool(torch.isfinite(t).all()):
                 raise DeltaMismatchError(f"delta's {kind} for {name} holds NaN/Inf")
@@ -242,8 +291,11 @@ def apply_delta(model: nn.Module, delta: PolicyDelta, config: LoGRAConfig) -> No
     with torch.no_grad():
         for name, u in delta.factors.items():
             w = params[name]
-            a = delta_projection(delta, config, name, w.shape[1], w.device)
+            a = projections[name].to(w.device) if name in projections else delta_projection(
+                delta, config, name, w.shape[1], w.device)
             merge_update(w, u.to(w.device), a, delta.decay)
         for name, t in delta.dense.items():
             params[name].copy_(t)
+    if delta.projections:
+        setattr(model, _FITTED_ATTR, dict(delta.projections))
     set_policy_step(model, delta.step + 1)

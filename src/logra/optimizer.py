@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +26,7 @@ from torch.profiler import record_function
 from .config import LoGRAConfig
 from .delta import PolicyDelta, merge_update, set_policy_step, weights_checksum
 from .errors import NonFiniteSketchError, StaleProposalError
-from .projection import Projector, stable_name
+from .projection import Projector, projection_key, stable_name
 from .rules import (
     AdamRule,
     FirstMoment,
@@ -152,6 +152,35 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.projector = Projector(config, targets)
         self._refresh(after_update=False)
 
+    @property
+    def needs_fit(self) -> bool:
+        """True while ``distribution='inputs'`` projections wait for `fit_projections`."""
+        return self.projector.needs_fit
+
+    def fit_projections(self, batches: Iterable[Mapping[str, torch.Tensor]]) -> int:
+        """Fit the projections of ``distribution='inputs'`` to the inputs the model sees.
+
+        Runs ``model(**batch)`` for every batch without gradients (padding excluded through
+        the batch's ``attention_mask``) and gives each ``nn.Linear`` target the projection
+        ``√(in/r)·Qᵀ``, ``Q`` the top-``r`` eigenvectors of ``Σ x xᵀ`` over its input tokens
+        (`logra.projection.InputMoment`). The projections then stay for the run, are saved in
+        `state_dict` and travel with the first delta of each stream. Call it once, before the
+        first backward, with representative prompts (``logra train`` passes the first update's);
+        under data parallelism pass the same batches on every rank, so that every rank fits
+        the same projections. Returns the number of tokens fitted on.
+
+        Raises:
+            ValueError: the config's distribution is not ``'inputs'``, an update was already
+                applied, or a target saw no tokens.
+        """
+        if self.config.distribution != "inputs":
+            raise ValueError(f"fit_projections needs LoGRAConfig.distribution='inputs', not "
+                             f"{self.config.distribution!r} (those projections are drawn from the seed)")
+        if self._step:
+            raise ValueError(f"fit_projections after {self._step} updates: the projections are fitted once, before "
+                             "the first update (a resumed optimizer has them from its state)")
+        return self.projector.fit(self.model, batches)
+
     # ------------------------------------------------------------------ accessors
     @property
     def num_updates(self) -> int:
@@ -179,9 +208,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         and projection (row sharding repoints ``weight`` at a local shard)."""
         return self._sketches.targets[name]
 
-    def projection(self, name: str) -> torch.Tensor:
+    def projection(self, name: str) -> torch.Tensor | None:
         """The projection ``A`` (``[r, in]`` fp32) currently in force for target ``name`` (a
-        fresh tensor: Rademacher projections are stored as packed sign bits)."""
+        fresh tensor: Rademacher projections are stored as packed sign bits); None for a
+        ``distribution='inputs'`` target before `fit_projections`."""
         return self._sketches.targets[name].projection
 
     def describe(self) -> str:
@@ -299,6 +329,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         factors = {}
         targets = self._sketches.targets
         base = None
+        fitted = self.projector.fitted_names()
+        # fitted projections cannot be rebuilt from a seed: the first delta of a stream carries them
+        carried = {} if self._stream_started else {projection_key(n, True): targets[n].projection for n in fitted}
         if not self._stream_started and not any(_is_sharded(w) for w in self.param_groups[0]["params"]):
             # once per stream: ties it to the weights it starts from (row-sharded weights skip it)
             base = weights_checksum(self.model, sorted(targets))
@@ -324,6 +357,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             factors=factors, decay=decay, column_scales=dict(self.projector.column_scales), dense=dense,
             shapes={n: [t.out_features, t.in_features] for n, t in targets.items()}, base_checksum=base,
             dtype=str(next(iter(targets.values())).weight.dtype).removeprefix("torch.") if base else None,
+            fitted=fitted, projections=carried,
         )
         self._stream_started = True
         self._step += 1
@@ -371,7 +405,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Tensors and plain values only: loads with ``torch.load(weights_only=True)``.
 
-        Projections are not stored; they are rebuilt from the seeds.
+        Seeded projections are not stored, they are rebuilt from the seeds; fitted ones
+        (``distribution='inputs'``) are.
         """
         hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         state = {"num_updates": self._step, "sync": self.config.sync_fields(), "hyper": hyper,
@@ -423,6 +458,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if self.first_moment is not None:
             self.first_moment.check_state(state)
         self.projector.check_state(state)
+        if self.projector.fitted_keys and state["num_updates"] and not state.get("fitted_projections"):
+            raise ValueError(f"optimizer state after {state['num_updates']} updates has no fitted projections "
+                             "(distribution='inputs'): the update it continues cannot be rebuilt")
 
     def remove(self) -> None:
         """Uninstall the sketches: target weights get their normal forward and gradients back."""

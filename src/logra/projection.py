@@ -1,7 +1,9 @@
 """Seeded random projections: any process rebuilds the same ``A`` without receiving it.
 
 `Projector` keeps the projections in force for an optimizer; `build_projection` rebuilds
-one on a receiver through the same drawing and unpacking, bit for bit.
+one on a receiver through the same drawing and unpacking, bit for bit. With
+``distribution='inputs'`` the projections of linear targets are instead fitted to their
+inputs (`Projector.fit`) and travel with the policy delta: they cannot be rebuilt from a seed.
 
 A projection is ``[r, in]`` with ``E[AᵀA] = I``, so ``S A = G AᵀA`` is an unbiased
 estimate of the dense gradient ``G`` from its sketch ``S = G Aᵀ``. Matrices are drawn on
@@ -19,11 +21,13 @@ import hashlib
 import math
 import os
 import re
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from .config import LoGRAConfig
@@ -221,8 +225,75 @@ def build_projection(config: LoGRAConfig, name: str, index: int, in_features: in
     """
     key = projection_key(name, config.share_projections)
     seed = projection_seed(config.seed, index, key)
-    a = materialize(_stored_projection(config.rank, in_features, seed, config.distribution, device), in_features)
+    a = materialize(_stored_projection(config.rank, in_features, seed, seeded_distribution(config), device),
+                    in_features)
     return a if column_scale is None else a * column_scale.to(a.device)
+
+
+def seeded_distribution(config: LoGRAConfig) -> str:
+    """The distribution of the projections drawn from seeds: ``config.distribution``, or
+    Rademacher for the targets that ``'inputs'`` does not fit (embeddings)."""
+    return "rademacher" if config.distribution == "inputs" else config.distribution
+
+
+# ----------------------------------------------------------------------------- fitted to inputs
+#: Inputs up to this width get the exact second moment ``Σ x xᵀ`` (float64, ``in²`` values:
+#: 128 MiB at 4096, held during the fit only); wider ones a one-pass Nyström sketch of it.
+EXACT_MOMENT_MAX = 4096
+
+
+class InputMoment:
+    """The second moment ``Σ x xᵀ`` of one layer's input tokens and its top principal subspace.
+
+    Up to `EXACT_MOMENT_MAX` input features it is accumulated exactly in float64. Wider, it
+    is kept as ``Y = Σ x xᵀ Ω`` with a seeded Gaussian ``Ω`` (``[in, 2r]``): a Nyström
+    approximation of the moment (Tropp et al., 2017), exact where the inputs span at most
+    ``2r`` directions, in ``in·2r`` values instead of ``in²``.
+    """
+
+    def __init__(self, in_features: int, rank: int, seed: int, device: torch.device | str | None = None) -> None:
+        self.rank = rank
+        width = min(in_features, 2 * rank)
+        self.omega: torch.Tensor | None = None
+        if in_features > EXACT_MOMENT_MAX:
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+            self.omega = torch.randn(in_features, width, generator=gen, dtype=torch.float64).to(device)
+        self.moment = torch.zeros(in_features, in_features if self.omega is None else width,
+                                  dtype=torch.float64, device=device)
+        self.tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """Accumulate the tokens ``x`` (``[N, in]``)."""
+        x = x.double()
+        self.moment.addmm_(x.T, x if self.omega is None else x @ self.omega)
+        self.tokens += x.shape[0]
+
+    def top_subspace(self) -> torch.Tensor:
+        """``[in, r]`` float64 orthonormal basis of the moment's top-``r`` eigenvectors."""
+        if self.omega is None:
+            return torch.linalg.eigh(self.moment)[1][:, -self.rank:]
+        y, omega = self.moment, self.omega
+        # a shift by a tiny multiple of ‖Y‖ keeps the Cholesky factor of ΩᵀY defined when the
+        # inputs span fewer than 2r directions; it moves no eigenvector
+        shift = math.sqrt(y.shape[0]) * torch.finfo(torch.float64).eps * float(torch.linalg.matrix_norm(y))
+        y = y + shift * omega
+        core = omega.T @ y
+        chol = torch.linalg.cholesky((core + core.T) / 2)
+        b = torch.linalg.solve_triangular(chol, y.T, upper=False).T  # Y L⁻ᵀ: the moment is B Bᵀ
+        return torch.linalg.svd(b, full_matrices=False)[0][:, : self.rank]
+
+
+def fitted_projection(basis: torch.Tensor) -> torch.Tensor:
+    """The fp32 projection ``√(in/r)·Qᵀ`` (``[r, in]``) of an orthonormal ``[in, r]`` basis
+    ``Q``: the scale of ``'orthogonal'``, so that ``AᵀA = I`` at ``r = in``."""
+    return (basis.T * math.sqrt(basis.shape[0] / basis.shape[1])).to(torch.float32)
+
+
+def _record_tokens(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The ``[N, in]`` tokens of a layer input ``x``, without padding where ``mask`` fits it."""
+    if mask is not None and tuple(mask.shape) == tuple(x.shape[:-1]):
+        return x[mask]
+    return x.reshape(-1, x.shape[-1])
 
 
 class Projector:
@@ -259,6 +330,71 @@ class Projector:
         self._widths: dict[str, int] = {}
         for name, target in targets.items():
             self._widths.setdefault(projection_key(name, config.share_projections), target.in_features)
+        # distribution='inputs': the targets whose projection is fitted (nn.Linear readers
+        # only) by projection key, and once `fit` has run the fitted fp32 projections by input
+        # group (`projection_key(name, True)`: q/k/v, and gate/up, read one input and share one)
+        self.fitted_keys: dict[str, SketchTarget] = {}
+        if config.distribution == "inputs":
+            for name, target in targets.items():
+                if target.modules and all(isinstance(m, nn.Linear) for m in target.modules):
+                    self.fitted_keys.setdefault(projection_key(name, config.share_projections), target)
+        self.fitted: dict[str, torch.Tensor] = {}
+
+    def _input_groups(self) -> dict[str, SketchTarget]:
+        """Input group → a fitted target that reads it (the one whose module `fit` hooks)."""
+        readers: dict[str, SketchTarget] = {}
+        for key, target in self.fitted_keys.items():
+            readers.setdefault(projection_key(key, True), target)
+        return readers
+
+    @property
+    def needs_fit(self) -> bool:
+        """Whether projections are to be fitted (``distribution='inputs'``) and are not yet."""
+        return bool(self.fitted_keys) and not self.fitted
+
+    def fitted_names(self) -> list[str]:
+        """The targets whose projection is fitted to their inputs (empty unless ``'inputs'``)."""
+        shared = self.config.share_projections
+        return [n for n in self.targets if projection_key(n, shared) in self.fitted_keys]
+
+    def fit(self, model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> int:
+        """Fit the projection of every input group to the inputs ``model`` sees on ``batches``
+        and install them; returns the number of tokens (padding excluded) they were fitted on.
+
+        Each batch is passed as ``model(**batch)`` without gradients. Where a batch has an
+        ``attention_mask`` of the inputs' leading shape, padded tokens are left out. Layers
+        that read one input tensor (`SHARED_INPUT_GROUPS`: q/k/v, gate/up) share one moment
+        and one fitted tensor, whether or not ``share_projections`` is set: their moments
+        would be the same bits.
+        """
+        readers = self._input_groups()
+        moments = {group: InputMoment(t.in_features, self.config.rank, projection_seed(self.config.seed, 0, group),
+                                      t.weight.device) for group, t in readers.items()}
+        mask: list[torch.Tensor | None] = [None]
+
+        def recorder(key: str):
+            def record(module: nn.Module, args: tuple) -> None:
+                moments[key].add(_record_tokens(args[0].detach(), mask[0]))
+            return record
+
+        handles = [t.modules[0].register_forward_pre_hook(recorder(group)) for group, t in readers.items()]
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    m = batch.get("attention_mask")
+                    mask[0] = m.bool() if m is not None else None
+                    model(**batch)
+        finally:
+            for h in handles:
+                h.remove()
+        empty = [key for key, moment in moments.items() if not moment.tokens]
+        if empty:
+            raise ValueError(f"fitting projections: {len(empty)} layers saw no input tokens (first: {empty[0]}); "
+                             "do the batches run through the model's forward?")
+        self.fitted = {group: fitted_projection(moment.top_subspace()) for group, moment in moments.items()}
+        self.index = None
+        self.install(0, 0.0)
+        return next(iter(moments.values())).tokens
 
     def index_after(self, updates: int) -> int:
         """The projection index in force after ``updates`` applied updates."""
@@ -290,11 +426,13 @@ class Projector:
         for name, target in self.targets.items():
             key = projection_key(name, cfg.share_projections)
             old = target.projection if bases else None  # rebuilt only where it is used
-            if key in host:
+            if key in self.fitted_keys:  # None until fitted: a sketched forward refuses it
+                drawn[key] = self.fitted.get(projection_key(key, True))
+            elif key in host:
                 drawn[key] = host.pop(key).to(target.weight.device)
             elif key not in drawn:
                 seed = projection_seed(cfg.seed, index, key)
-                drawn[key] = _stored_projection(cfg.rank, target.in_features, seed, cfg.distribution,
+                drawn[key] = _stored_projection(cfg.rank, target.in_features, seed, seeded_distribution(cfg),
                                                 target.weight.device)
             stored = drawn[key]
             if name in scales:
@@ -360,16 +498,19 @@ class Projector:
 
     def memory(self) -> list[torch.Tensor]:
         """The stored projections (shared ones once), input statistics, column scales, Grams."""
-        shared = {id(t.stored_projection): t.stored_projection for t in self.targets.values()}
+        shared = {id(t.stored_projection): t.stored_projection for t in self.targets.values()
+                  if t.stored_projection is not None}
         return [*shared.values(), *self.input_means.values(), *self.column_scales.values(),
                 *(gram for _, gram in self._grams.values())]
 
     def state_dict(self) -> dict[str, Any]:
-        """The input statistics and the column scales in force (projections are rebuilt)."""
+        """The input statistics, the column scales in force and the fitted projections
+        (seeded projections are rebuilt)."""
         return {
             "input_means": {n: v.clone() for n, v in self.input_means.items()},
             "input_updates": self.input_updates,
             "column_scales": {n: v.clone() for n, v in self.column_scales.items()},
+            "fitted_projections": {k: v.clone() for k, v in self.fitted.items()},
         }
 
     def check_state(self, state: dict[str, Any]) -> None:
@@ -379,6 +520,14 @@ class Projector:
         for name, c in state.get("column_scales", {}).items():
             if name not in self.targets or c.shape != (self.targets[name].in_features,):
                 raise ValueError(f"optimizer state's column scale for {name} does not fit this model")
+        fitted, groups = state.get("fitted_projections", {}), self._input_groups()
+        if fitted and set(fitted) != set(groups):
+            raise ValueError(f"optimizer state's fitted projections ({len(fitted)}) are not those of this "
+                             f"model's inputs ({len(groups)})")
+        for group, a in fitted.items():
+            if a.shape != (self.config.rank, groups[group].in_features):
+                raise ValueError(f"optimizer state's fitted projection for {group} is {tuple(a.shape)}: it does "
+                                 "not fit this model")
 
     def load_state(self, state: dict[str, Any], updates: int, beta2: float) -> None:
         """Restore `state_dict`'s entries and install the saved projections for ``updates``."""
@@ -387,5 +536,7 @@ class Projector:
         self.input_updates = state.get("input_updates", 0)
         # the saved scales, not fresh ones: they define the projection in force
         scales = {n: c.to(self.targets[n].weight.device) for n, c in state.get("column_scales", {}).items()}
+        groups = self._input_groups()
+        self.fitted = {g: a.to(groups[g].weight.device) for g, a in state.get("fitted_projections", {}).items()}
         self.index = None
         self.install(updates, beta2, scales=scales)

@@ -183,6 +183,9 @@ def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # module.weight, not t.weight: wrappers such as FSDP swap in the gathered weight.
     t: SketchTarget = module._logra_target
     w = module.weight
+    if t.stored_projection is None and (t._probe is not None or torch.is_grad_enabled()):
+        raise RuntimeError(f"LoGRA target {t.name} has no projection yet: with distribution='inputs', call "
+                           "LoGRAOptimizer.fit_projections(batches) before the first forward with gradients")
     if t._probe is not None:
         eps, d, decay = t._probe
         y = F.linear(x, w)

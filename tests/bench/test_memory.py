@@ -86,6 +86,18 @@ def test_quick_benchmark_table_and_gradient_bytes(tmp_path, capsys):
         assert sum(parts[p] for p in memory.STEP_PARTS) < parts["step"]
 
 
+def test_input_projections_are_fitted_before_the_first_step_and_kept_in_fp32(tmp_path, capsys):
+    """``--logra-input-projection``: one fp32 ``[r, in]`` per layer input (q/k/v and gate/up
+    share one), and the fit's own peak holds the exact float64 moment of every input at once."""
+    out = tmp_path / "memory.json"
+    assert memory.main(["--quick", "--repeats", "1", "--memory-repeats", "1", "--methods", "logra-freeze",
+                        "--logra-input-projection", "--out", str(out)]) == 0
+    assert "Fitting the projections to the inputs" in capsys.readouterr().out
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["projection_bytes"] == RANK * 4 * LAYERS * (3 * HIDDEN + INTER)
+    assert r["fit"]["seconds"] > 0 and r["fit"]["tracked_peak"] >= 8 * LAYERS * (3 * HIDDEN ** 2 + INTER ** 2)
+
+
 def test_token_sweep_runs_every_point_and_summarises(tmp_path, capsys):
     out = tmp_path / "sweep.json"
     assert memory.main(["--quick", "--tokens", "32,64", "--methods", "adamw,logra-freeze", "--out", str(out)]) == 0

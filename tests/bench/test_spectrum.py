@@ -34,14 +34,16 @@ TARGETS = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A LoGRA run (embedded default: one fixed projection per layer) and a LoRA run from the
-    same cached warm start."""
+    """A LoGRA run (embedded default: one fixed projection per layer), one with its projections
+    fitted to its inputs and a LoRA run from the same cached warm start."""
     root = tmp_path_factory.mktemp("spectrum")
     cache = root / "cache"
-    for name, extra in (("logra", []), ("lora", ["--optimizer", "lora", "--lr", "1e-2"])):
+    for name, extra in (("logra", []), ("lora", ["--optimizer", "lora", "--lr", "1e-2"]),
+                        ("inputs", ["--logra.distribution", "inputs"])):
         assert train_main([*TRAIN, *extra, "--run_dir", str(root / name), "--cache_dir", str(cache)]) == 0
-    (entry,) = list(cache.iterdir())  # the one warm start both runs used
-    return {"logra": root / "logra", "lora": root / "lora", "w0": entry / "model.safetensors", "root": root}
+    (entry,) = list(cache.iterdir())  # the one warm start the runs used
+    return {"logra": root / "logra", "lora": root / "lora", "inputs": root / "inputs",
+            "w0": entry / "model.safetensors", "root": root}
 
 
 def _orthogonal(n: int, g: torch.Generator) -> torch.Tensor:
@@ -163,6 +165,12 @@ def test_a_logra_update_lies_inside_its_own_subspace_and_others_partly(runs, tmp
     assert all(0 < x < 0.99 for x in data["R"]["inside"].values())
     with pytest.raises(SystemExit, match="needs a LoGRA run with refresh=False"):
         main([str(runs["lora"]), "--subspace", str(runs["lora"]), "--out-dir", str(tmp_path)])
+    # fitted projections come from the run's checkpoint: its own update lies inside, a seeded run's does not
+    assert main([str(runs["inputs"]), str(runs["logra"]), "--label", "I", "L", "--subspace", str(runs["inputs"]),
+                 "--out-dir", str(tmp_path), "--json", str(tmp_path / "i.json")]) == 0
+    data = json.loads((tmp_path / "i.json").read_text())["runs"]
+    assert all(x == pytest.approx(1.0, abs=1e-6) for x in data["I"]["inside"].values())
+    assert all(0 < x < 0.99 for x in data["L"]["inside"].values())
 
 
 def test_refusals_are_one_line(runs, tmp_path):

@@ -243,14 +243,15 @@ def test_trl_clipping_moved_to_logra_with_a_warning(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["use_vllm", "fp16", "optimizer", "peft", "non_target_sketch", "deepspeed", "fsdp", "sharded"])
+    "case", ["use_vllm", "fp16", "optimizer", "peft", "non_target_sketch", "inputs", "deepspeed", "fsdp", "sharded"])
 def test_conflicting_settings_are_refused(case, model_dir, tmp_path, monkeypatch):
     """Each refusal says what to do instead. Plain DDP is supported (test_trl_ddp.py); sharding is not."""
     kwargs = dict(model=str(model_dir), reward_funcs=digits, train_dataset=_dataset())
     args = _args(tmp_path)
     expect = {
         "use_vllm": "use_vllm=False", "fp16": "bf16=True", "optimizer": "logra_config=LoGRAConfig",
-        "peft": "drop peft_config", "non_target_sketch": "non_target='freeze'", "deepspeed": "plain data parallel",
+        "peft": "drop peft_config", "non_target_sketch": "non_target='freeze'", "inputs": "fit_projections",
+        "deepspeed": "plain data parallel",
         "fsdp": "plain data parallel", "sharded": "plain data parallelism (DDP) only",
     }[case]
     if case == "use_vllm":  # server mode; colocate runs (test_trl_vllm.py)
@@ -265,6 +266,8 @@ def test_conflicting_settings_are_refused(case, model_dir, tmp_path, monkeypatch
         kwargs["peft_config"] = LoraConfig(r=4, target_modules=["q_proj"])
     elif case == "non_target_sketch":
         kwargs["logra_config"] = LoGRAConfig(rank=8, non_target="sketch")
+    elif case == "inputs":
+        kwargs["logra_config"] = LoGRAConfig(rank=8, distribution="inputs", refresh=False)
     elif case == "deepspeed":
         args.deepspeed = {"zero_optimization": {"stage": 2}}
     elif case == "fsdp":

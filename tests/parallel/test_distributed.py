@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import tiny_qwen2, token_batch
+from conftest import fit_if_needed, tiny_qwen2, token_batch
 from logra import LoGRAConfig, LoGRAOptimizer, apply_delta
 from logra.parallel import (
     ProjectionMismatchError,
@@ -37,6 +37,8 @@ CONFIGS = {
     "layer": LoGRAConfig(rank=4, trust_ratio="layer", update_ratio=1e-3, factor_dtype="float32"),
     "element": LoGRAConfig(rank=4, trust_ratio="element", update_ratio=1e-3, beta1=0.9, refresh_every=2,
                            factor_dtype="float32"),
+    # projections fitted to the inputs, through the sharded model's forward
+    "inputs": LoGRAConfig(rank=4, distribution="inputs", refresh=False),
 }
 PRELOAD = ["torch", "torch.distributed", "transformers.models.qwen2.modeling_qwen2", "logra", "logra.parallel",
            "conftest", "test_distributed"]
@@ -54,6 +56,7 @@ def _reference(config: LoGRAConfig) -> dict[str, torch.Tensor]:
     """One process, the whole global batch per update."""
     model = tiny_qwen2()
     opt = LoGRAOptimizer(model, config)
+    fit_if_needed(model, opt)
     for step in range(UPDATES):
         batch = _batches(step)
         n = count_loss_tokens(batch["labels"])
@@ -67,6 +70,7 @@ def _reference(config: LoGRAConfig) -> dict[str, torch.Tensor]:
 def _dp_train(rank: int, world: int, config: LoGRAConfig, counts: dict[str, int]) -> dict[str, torch.Tensor]:
     model = tiny_qwen2()
     opt = LoGRAOptimizer(model, config)
+    fit_if_needed(model, opt)  # every rank fits on the same batch
     verify_projections(opt)
     per_rank = GLOBAL_BATCH // world
     for step in range(UPDATES):
@@ -108,6 +112,7 @@ def _fsdp_train(rank: int, world: int, name: str, out: Path) -> dict[str, torch.
     fully_shard(model)
     opt = LoGRAOptimizer(model, config)
     sharded = RowShardedLoGRA(opt)
+    fit_if_needed(model, opt)
     verify_projections(opt)
     shard_rows = {n: sharded.rows(n) for n in opt.targets}
     receiver = tiny_qwen2()  # a plain copy that only sees the published deltas
@@ -164,7 +169,7 @@ def _rank_main(rank: int, world: int, store: str, out: str) -> None:
         for name in ("freeze", "adamw"):
             results[f"dp_{name}"] = _dp_train(rank, world, CONFIGS[name], counts)
             results[f"counts_{name}"] = dict(counts)
-        for name in ("freeze", "lr_mode", "layer", "element"):
+        for name in ("freeze", "lr_mode", "layer", "element", "inputs"):
             results[f"fsdp_{name}"] = _fsdp_train(rank, world, name, out)
         results["mismatch_seed"] = _mismatch(rank, "seed")
         results["mismatch_layer"] = _mismatch(rank, "layer")
@@ -217,7 +222,7 @@ def test_one_collective_per_update(ranks, mode):
     assert [counts[f"collectives_{s}"] for s in range(UPDATES)] == [1 if mode == "freeze" else 2] * UPDATES
 
 
-@pytest.mark.parametrize("mode", ["freeze", "lr_mode", "layer", "element"])
+@pytest.mark.parametrize("mode", ["freeze", "lr_mode", "layer", "element", "inputs"])
 def test_row_sharded_fsdp2_matches_single_process(ranks, mode):
     ref = _reference(CONFIGS[mode])
     for r in ranks:

@@ -15,7 +15,7 @@ from test_distributed import PRELOAD, _assert_close, _dp_train, _reference
 from logra.parallel import init_local, spawn_local
 from test_properties import random_config
 
-CASES = [3, 11]
+CASES = [3, 8, 11]  # 8 fits its projections to the inputs
 
 
 def _config(case: int):

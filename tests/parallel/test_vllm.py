@@ -169,6 +169,34 @@ def test_deltas_bitwise_equal_to_apply_delta(make, tp, dtype, strategy):
     assert any("qkv_proj.weight" in n for n in changed) and any("down_proj" in n for n in changed)
 
 
+@pytest.mark.parametrize("strategy", ["full", "slice"])
+def test_fitted_projections_reach_fused_receivers_with_the_first_delta(strategy):
+    """``distribution='inputs'``: each tp rank keeps the projections of the stream's first
+    delta and merges the later ones bitwise as `apply_delta` does; a rank that joined later
+    refuses, unchanged."""
+    model = tiny_llama()
+    trainer = Trainer(model, distribution="inputs", refresh=False)
+    batch = token_batch(model.config.vocab_size, batch=4, seed=50)
+    trainer.opt.fit_projections([{"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}])
+    reference = rollout_copy(model, torch.float32)
+    receivers = [FusedReceiver(fuse_state_dict(hf_state(reference), lay), lay, trainer.config, strategy=strategy)
+                 for lay in layouts(model, 2)]
+    for _ in range(STEPS):
+        delta, _ = trainer.step()
+        apply_delta(reference, delta, trainer.config)
+        for rcv in receivers:
+            rcv.apply(delta, checksum=expected_fused_checksum(hf_state(reference), rcv.layout,
+                                                              rcv.checked_names(delta)))
+    for rcv in receivers:
+        assert_fused_equal(dict(rcv.params), reference, rcv.layout)
+    lay = layouts(model, 2)[0]
+    late = FusedReceiver(fuse_state_dict(hf_state(reference), lay), lay, trainer.config, step=STEPS)
+    before = {n: t.clone() for n, t in late.params.items()}
+    with pytest.raises(DeltaMismatchError, match="first delta of the stream"):
+        late.apply(trainer.step()[0])
+    assert late.step == STEPS and all(torch.equal(t, before[n]) for n, t in late.params.items())
+
+
 def test_gap_refused_then_resync_restores():
     model = tiny_qwen2()
     trainer = Trainer(model)

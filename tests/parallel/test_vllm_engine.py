@@ -165,6 +165,29 @@ def test_fp32_engine_follows_20_updates_refuses_bad_deltas_and_resyncs(engines, 
     engine.resync(str(folder), 0)  # back to the saved initial policy for the next test
 
 
+def test_fitted_projections_reach_the_engine_with_the_first_delta(engines, tmp_path):
+    """``distribution='inputs'``: the engine keeps the projections the first delta carries,
+    follows every later delta bitwise, and keeps them across a full resync."""
+    get, folder = engines
+    run = Run(distribution="inputs", refresh=False)
+    ids = torch.tensor(held_out(4, 32), device=DEVICE)
+    run.opt.fit_projections([{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
+    engine = VLLMPolicy(get("float32"), run.config, model=run.model, optimizer=run.opt)
+    engine.verify()
+    seqs = held_out()
+    for i in range(8):
+        delta = run.update()
+        assert bool(delta.projections) == (i == 0)
+        engine.publish(delta)
+        assert engine.checksum() == engine.trainer_checksum()
+    run.model.save_pretrained(tmp_path / "resync")
+    assert engine.resync(str(tmp_path / "resync"), run.i) == engine.trainer_checksum()
+    engine.publish(run.update())  # no projections in it: the engine merges with the ones it kept
+    assert engine.checksum() == engine.trainer_checksum()
+    assert (torch.tensor(engine.prompt_logprobs(seqs)) - hf_logprobs(run.model, seqs)).abs().max() < FP32_TOL
+    engine.resync(str(folder), 0)
+
+
 def test_bf16_engine_equals_a_bf16_copy_after_every_update(engines, tmp_path):
     get, folder = engines
     run = Run(non_target="adamw")

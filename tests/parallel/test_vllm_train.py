@@ -40,10 +40,16 @@ def _rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_on_a_vllm_engine_and_resume(tmp_path):
+@pytest.mark.parametrize("distribution", ["rademacher", "inputs"])
+def test_train_on_a_vllm_engine_and_resume(tmp_path, distribution):
+    """With ``distribution='inputs'`` the engine gets the fitted projections with the first
+    delta, and again with the first delta after the resume (a new stream)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    logra = LoGRAConfig(rank=16, update_ratio=1e-2, non_target="adamw", non_target_lr=1e-3,
+                        distribution=distribution, refresh=distribution != "inputs")
     model, tok = _policy()
-    trainer = RLTrainer(_config(tmp_path / "run"), model=model, tokenizer=tok, task=VowelTask(), progress=False)
+    trainer = RLTrainer(_config(tmp_path / "run", logra=logra), model=model, tokenizer=tok, task=VowelTask(),
+                        progress=False)
     trainer.train()
     train = [r for r in _rows(tmp_path / "run") if r["kind"] == "train"]
     assert [r["update"] for r in train] == [0, 1, 2]
@@ -55,8 +61,8 @@ def test_train_on_a_vllm_engine_and_resume(tmp_path):
 
     # resume from another initialisation: the engine must be reloaded from the checkpoint and verified
     other, _ = _policy(seed=99)
-    resumed = RLTrainer(_config(tmp_path / "run", updates=4), model=other, tokenizer=tok, task=VowelTask(),
-                        progress=False)
+    resumed = RLTrainer(_config(tmp_path / "run", updates=4, logra=logra), model=other, tokenizer=tok,
+                        task=VowelTask(), progress=False)
     resumed.load_checkpoint()
     assert resumed.workers.checksum() == resumed.workers.trainer_checksum()
     resumed.train()

@@ -91,7 +91,11 @@ def test_updates_change_policy_under_kl_control(tmp_path, optimizer):
         assert records[0]["delta_bytes"] == sum(8 * 2 * before[n].shape[0] for n in changed)
 
 
-@pytest.mark.parametrize("options", [{}, {"optimizer": "adamw", "lr_schedule": "constant"}], ids=["logra", "adamw"])
+INPUTS = LoGRAConfig(rank=8, update_ratio=1e-2, distribution="inputs", refresh=False)
+
+
+@pytest.mark.parametrize("options", [{}, {"optimizer": "adamw", "lr_schedule": "constant"}, {"logra": INPUTS}],
+                         ids=["logra", "adamw", "logra-inputs"])
 def test_resume_continues_exactly(tmp_path, options):
     full_model, tok = _policy()
     full = RLTrainer(_config(tmp_path / "a", updates=4, **options), model=full_model, tokenizer=tok,
@@ -203,20 +207,26 @@ def _dp_rank(rank: int, world: int, store: str, root: str, optimizer: str) -> No
     init_local(rank, world, store)
     try:
         model, tok = _policy()
-        cfg = _config(__import__("pathlib").Path(root), updates=2, optimizer=optimizer)
+        inputs = optimizer == "logra-inputs"
+        cfg = _config(__import__("pathlib").Path(root), updates=2, optimizer="logra" if inputs else optimizer,
+                      **({"logra": INPUTS} if inputs else {}))
         trainer = RLTrainer(cfg, model=model, tokenizer=tok, task=VowelTask(), progress=False)
         trainer.train()
         digest = weights_checksum(trainer.model)
         (__import__("pathlib").Path(root) / f"digest{rank}").write_text(digest)
+        if inputs:
+            torch.save(trainer.optimizer.projector.fitted, __import__("pathlib").Path(root) / f"fitted{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("optimizer", ["logra", "lora"])
+@pytest.mark.parametrize("optimizer", ["logra", "lora", "logra-inputs"])
 def test_data_parallel_two_ranks_stay_identical(tmp_path, optimizer):
     """Two ranks split the prompts, all-reduce one sketch buffer (LoRA: the adapters'
     gradients) and apply the same step. Spawned ranks start from unrelated torch RNG states,
-    so LoRA's adapters must be drawn from the run's seed to match."""
+    so LoRA's adapters must be drawn from the run's seed to match. Fitted projections
+    (``distribution='inputs'``) are fitted on every rank to all ranks' prompts: bitwise
+    those of one process."""
     from logra.parallel import spawn_local
 
     if optimizer == "lora":
@@ -230,6 +240,14 @@ def test_data_parallel_two_ranks_stay_identical(tmp_path, optimizer):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows if r["kind"] == "train"] == [0, 1]
     assert (tmp_path / "run" / "checkpoint" / "rng-rank1.pt").exists()
+    if optimizer == "logra-inputs":
+        alone = RLTrainer(_config(tmp_path / "alone", logra=INPUTS), model=_policy()[0], tokenizer=_policy()[1],
+                          task=VowelTask(), progress=False)
+        alone._fit_projections()
+        for rank in range(2):
+            fitted = torch.load(tmp_path / f"fitted{rank}.pt")
+            assert fitted.keys() == alone.optimizer.projector.fitted.keys()
+            assert all(torch.equal(a, alone.optimizer.projector.fitted[k]) for k, a in fitted.items())
 
 
 def test_yaml_example_config_runs(tmp_path):
@@ -246,10 +264,12 @@ def test_yaml_example_config_runs(tmp_path):
     assert summary["updates"] == 1
 
 
-def test_rollouts_on_workers_with_verified_deltas(tmp_path):
-    """Two rollout workers generate the training batches and stay bitwise equal to the trainer."""
+@pytest.mark.parametrize("logra", [LoGRAConfig(rank=8, update_ratio=1e-2), INPUTS], ids=["seeded", "inputs"])
+def test_rollouts_on_workers_with_verified_deltas(tmp_path, logra):
+    """Two rollout workers generate the training batches and stay bitwise equal to the trainer
+    (with fitted projections, which only the first delta carries)."""
     model, tok = _policy()
-    cfg = _config(tmp_path, updates=3, rollout_workers=2)
+    cfg = _config(tmp_path, updates=3, rollout_workers=2, logra=logra)
     trainer = RLTrainer(cfg, model=model, tokenizer=tok, task=VowelTask(), progress=False)
     trainer.train()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

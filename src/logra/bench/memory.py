@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--logra-fixed-projection", action="store_true",
                      help="LoGRA keeps one projection for the run (LoGRAConfig.refresh=False, the embedded recipe's) "
                      "instead of drawing new ones after every update (the paper)")
+    run.add_argument("--logra-input-projection", action="store_true",
+                     help="LoGRA's projections are fitted to the layers' inputs on the batch before the first step "
+                     "(LoGRAConfig.distribution='inputs', implies --logra-fixed-projection): fp32 [r, in] per input "
+                     "instead of sign bits")
     run.add_argument("--share-projections", action="store_true",
                      help="LoGRA shares one projection per input (q/k/v, gate/up: LoGRAConfig.share_projections), "
                      "saving X Aᵀ once per input")
@@ -221,12 +225,14 @@ def build_optimizer(method: str, model: nn.Module, args: argparse.Namespace) -> 
         # The paper's dense control: betas (0.9, 0.95), no weight decay.
         return torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0, **impl)
     non_target = {"logra-freeze": "freeze", "logra-sketch": "sketch"}[method]
+    inputs = getattr(args, "logra_input_projection", False)
     return LoGRAOptimizer(model, LoGRAConfig(rank=args.rank, non_target=non_target,
                                              beta1=getattr(args, "logra_beta1", 0.0),
                                              optimizer=getattr(args, "logra_optimizer", "row_adam"),
                                              moment_dtype=getattr(args, "logra_moment_dtype", "float32"),
                                              share_projections=getattr(args, "share_projections", False),
-                                             refresh=not getattr(args, "logra_fixed_projection", False)))
+                                             distribution="inputs" if inputs else "rademacher",
+                                             refresh=not (inputs or getattr(args, "logra_fixed_projection", False))))
 
 
 def _sync(device: torch.device) -> None:
@@ -333,6 +339,17 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
     log(method, f"built model, {n_params / 1e6:.1f}M parameters ({time.perf_counter() - t0:.1f} s)")
     batch = make_batch(args)
     model, opt = setup(method, model, args)
+    fit = None
+    if isinstance(opt, LoGRAOptimizer) and opt.needs_fit:
+        # a peak of its own, before the first step: the input moments of every layer at once
+        t0 = time.perf_counter()
+        with track_memory(model, opt, device=device) as fit_report:
+            tokens = opt.fit_projections([{"input_ids": batch["input_ids"],
+                                           "attention_mask": batch["attention_mask"]}])
+        fit = {"seconds": time.perf_counter() - t0, "tracked_peak": fit_report.peak_total,
+               "cuda_max_allocated": fit_report.cuda_max_allocated}
+        log(method, f"projections fitted to the inputs of {tokens:,} tokens ({fit['seconds']:.1f} s, tracked peak "
+                    f"{fit_report.peak_total / 2**30:.3f} GiB)")
     loss_fn = make_loss(model, batch, getattr(args, "logits_chunk", 0))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -391,6 +408,7 @@ def run_worker(method: str, args: argparse.Namespace, log: Callable[[str, str], 
         "tracked_step_times": tracked_times,
         "losses": losses,
         "step_parts": step_parts,
+        "fit": fit,
     }
     if isinstance(opt, LoGRAOptimizer):
         result["sketch_buffer_bytes"] = opt.sketch_buffer.numel() * opt.sketch_buffer.element_size()
@@ -454,6 +472,19 @@ def timing_cells(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
         return cells + ["-", "-"]
     return cells + [f"{r['tracked_peak'] / base['tracked_peak']:.3f}",
                     f"{r['step_time_median'] / base['step_time_median']:.3f}"]
+
+
+def fit_table(results: list[dict[str, Any]]) -> str:
+    """Markdown: the fit of ``--logra-input-projection`` (before the first step), its time and
+    tracked peak beside the step's ("" without it)."""
+    rows = [r for r in results if r.get("fit")]
+    if not rows:
+        return ""
+    lines = ["| method | fit (s) | fit's tracked peak (GiB) | step's tracked peak (GiB) |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['fit']['seconds']:.1f} | {r['fit']['tracked_peak'] / 2**30:.3f} | "
+                     f"{r['tracked_peak'] / 2**30:.3f} |")
+    return "\n".join(lines)
 
 
 def parts_table(results: list[dict[str, Any]]) -> str:
@@ -567,7 +598,7 @@ def _run_point(args: argparse.Namespace, methods: list[str]) -> list[dict[str, A
         "--seed", str(args.seed), "--logra-beta1", str(args.logra_beta1), "--logra-optimizer", args.logra_optimizer,
         "--logra-moment-dtype", args.logra_moment_dtype, "--logits-chunk", str(args.logits_chunk),
     ]
-    for flag in ("share_projections", "logra_fixed_projection", "tie", "checkpointing"):
+    for flag in ("share_projections", "logra_fixed_projection", "logra_input_projection", "tie", "checkpointing"):
         if getattr(args, flag):
             worker_argv.append("--" + flag.replace("_", "-"))
     results = []
@@ -581,6 +612,7 @@ def _run_point(args: argparse.Namespace, methods: list[str]) -> list[dict[str, A
              f"{f', LoGRA beta1 {args.logra_beta1:g}' if args.logra_beta1 else ''}"
              f"{', shared q/k/v and gate/up projections' if args.share_projections else ''}"
              f"{', one fixed projection per layer' if args.logra_fixed_projection else ''}"
+             f"{', projections fitted to the inputs' if args.logra_input_projection else ''}"
              f"{f', LoGRA optimizer {args.logra_optimizer}' if args.logra_optimizer != 'row_adam' else ''}"
              f"{f', LoGRA moments {args.logra_moment_dtype}' if args.logra_moment_dtype != 'float32' else ''}; "
              f"compute {args.autocast}; "
@@ -593,6 +625,10 @@ def _run_point(args: argparse.Namespace, methods: list[str]) -> list[dict[str, A
              "optimizer step+zero_grad (medians).")
     print(f"## LoGRA vs AdamW: peak memory by category and step time\n\n{setup}\n")
     print(format_table(results))
+    fits = fit_table(results)
+    if fits:
+        print("\n### Fitting the projections to the inputs (once, before the first step)\n")
+        print(fits)
     parts = parts_table(results)
     if parts:
         print("\n### LoGRA's step by part (one profiled step; % of its wall time)\n")

@@ -267,7 +267,8 @@ def spectrum_stats(delta: torch.Tensor, base: torch.Tensor) -> dict[str, float]:
 
 def subspace_bases(run_dir: str | Path) -> dict[str, torch.Tensor]:
     """Per target, an orthonormal basis ``[in, r]`` (float64) of the row space of the fixed
-    projection of a LoGRA run (``refresh=False``), rebuilt from the run's config and seed.
+    projection of a LoGRA run (``refresh=False``), rebuilt from the run's config and seed (a
+    projection fitted to the inputs, ``distribution='inputs'``, is read from the run's checkpoint).
 
     Raises:
         SystemExit: not a LoGRA run with a fixed projection.
@@ -286,7 +287,14 @@ def subspace_bases(run_dir: str | Path) -> dict[str, torch.Tensor]:
         model = AutoModelForCausalLM.from_config(
             AutoConfig.from_pretrained(warm_start_path(run_dir)))
     model = model.to_empty(device="cpu")  # the projections depend on shapes and seeds, not values
+    model.tie_weights()  # as the run's model: its optimizer state has one sketch for tied embeddings
     optimizer = LoGRAOptimizer(model, LoGRAConfig(**fields))
+    if optimizer.needs_fit:
+        state = run_dir / "checkpoint" / "state.pt"
+        if not state.is_file():
+            raise _fail(f"--subspace {run_dir}: its projections were fitted to its inputs and it left no checkpoint "
+                        f"({state}) to read them from")
+        optimizer.load_state_dict(torch.load(state, weights_only=True)["optimizer"])
     return {name: torch.linalg.qr(optimizer.projection(name).double().T)[0] for name in optimizer.targets}
 
 

@@ -151,6 +151,11 @@ def _check_args(args: GRPOConfig, logra_config: LoGRAConfig) -> None:
         raise ValueError(
             "LoGRAConfig(non_target='sketch') does not work under TRL: its fused LM head multiplies by lm_head.weight "
             "directly, so the sketched lm_head never sees a gradient. Use non_target='freeze' (paper) or 'adamw'.")
+    if logra_config.distribution == "inputs":
+        raise ValueError(
+            "LoGRAConfig(distribution='inputs') does not work under TRL yet: its projections are fitted to the "
+            "model's inputs before the first update, and TRL's loop gives that no place. Use logra train, or call "
+            "LoGRAOptimizer.fit_projections in a loop of your own; under TRL use distribution='rademacher'.")
     if args.max_grad_norm and args.max_grad_norm > 0:
         warnings.warn(
             f"GRPOConfig.max_grad_norm={args.max_grad_norm} would clip only the dense .grad (LoGRA's sketched weights "

@@ -336,18 +336,22 @@ def verify_weights(model: torch.nn.Module, group: dist.ProcessGroup | None = Non
 def verify_projections(optimizer: LoGRAOptimizer, group: dist.ProcessGroup | None = None) -> None:
     """Check that every rank sketches the same targets with bit-identical projections.
 
-    Call once at start (and after resuming): all ranks all-gather their update count,
+    Call once at start (and after resuming, and after `LoGRAOptimizer.fit_projections`, before
+    which fitted targets count as unfitted): all ranks all-gather their update count,
     sync fields, target names and a digest of each projection's bytes, then compare with
     rank 0. Every rank raises the same error, so no rank is left waiting in a collective.
 
     Raises:
         ProjectionMismatchError: naming the first rank and the first target that differ.
     """
+    def entry(name: str) -> tuple[str, list[int], str]:
+        a = optimizer.projection(name)
+        return (name, [], "unfitted") if a is None else (name, list(a.shape), _digest(a))
+
     mine: dict[str, Any] = {
         "num_updates": optimizer.num_updates,
         "sync": optimizer.config.sync_fields(),
-        "targets": [(n, list(optimizer.projection(n).shape), _digest(optimizer.projection(n)))
-                    for n in optimizer.targets],
+        "targets": [entry(n) for n in optimizer.targets],
     }
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return

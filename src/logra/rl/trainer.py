@@ -26,7 +26,7 @@ import json
 import random
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +193,9 @@ class RLTrainer:
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
 
+        if isinstance(self.optimizer, LoGRAOptimizer) and self.optimizer.needs_fit:
+            self._fit_projections()
+
         # rollout and reward
         problems, rollout = self._rollout(self._train_problems(self.num_updates))
         rewards = torch.tensor([self.task.score(p, t) for p, t in zip(problems, rollout.responses, strict=True)],
@@ -275,14 +278,35 @@ class RLTrainer:
         self._gradient_hooks.append(fn)
 
     # ------------------------------------------------------------- rollouts and problems
-    def _train_problems(self, update: int) -> list[Problem]:
-        """The prompts of ``update``: a fixed function of (seed, update), so resume is exact."""
+    def _train_problems(self, update: int, every_rank: bool = False) -> list[Problem]:
+        """This rank's prompts of ``update`` (all ranks' with ``every_rank``): a fixed function
+        of (seed, update), so resume is exact."""
         if self._pool is None:
             size = self.config.train_pool or max(2000, 4 * self.config.prompts_per_update)
             self._pool = self.task.problems("train", size, seed=self.config.seed)
         rng = random.Random(self.config.seed * 1_000_003 + update)
         chosen = rng.sample(self._pool, self.config.prompts_per_update)
-        return chosen[self.rank:: self.world]  # whole groups per rank
+        return chosen if every_rank else chosen[self.rank:: self.world]  # whole groups per rank
+
+    def _fit_projections(self) -> None:
+        """``distribution='inputs'``: fit the projections on `_fit_batches`."""
+        t0 = time.perf_counter()
+        tokens = self.optimizer.fit_projections(self._fit_batches())
+        if self.world > 1:
+            self.updater.check_ranks()  # every rank fitted the same bits
+        if self.progress:
+            tqdm.write(f"projections fitted to the inputs of {self.config.prompts_per_update} prompts "
+                       f"({tokens:,} tokens) in {time.perf_counter() - t0:.1f} s")
+
+    def _fit_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The batches projections are fitted on (``distribution='inputs'``): the prompts of the
+        first update, all ranks' on every rank (so that every rank fits the same ones without a
+        collective), tokenized ``micro_batch`` prompts at a time."""
+        prompts = [p.prompt for p in self._train_problems(0, every_rank=True)]
+        size = self.config.micro_batch
+        for i in range(0, len(prompts), size):
+            b = self.tokenizer(prompts[i: i + size], return_tensors="pt", padding=True).to(self.device)
+            yield {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
 
     def _rollout(self, problems: list[Problem]) -> tuple[list[Problem], Rollout]:
         cfg = self.config

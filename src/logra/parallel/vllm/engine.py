@@ -159,6 +159,7 @@ class LoGRAWorkerExtension:
         state: dict[str, Any] = {
             "config": config, "layout": layout, "targets": targets, "dense": dense, "shapes": shapes,
             "step": step, "needs_resync": False, "mode": "shadow" if prepacked else "inplace",
+            "fitted": {},  # distribution='inputs': the projections of the stream's first delta
             "dtype": self.model_runner.model_config.dtype,  # type: ignore[attr-defined]
         }
         if prepacked:
@@ -294,6 +295,8 @@ class LoGRAWorkerExtension:
         if s["mode"] == "shadow":
             self._logra_push(s, list(delta.factors) + list(dense))
         self._logra_repack(s, list(delta.factors) + list(dense))
+        if delta.projections:
+            s["fitted"] = dict(delta.projections)
         s["step"] = delta.step + 1
         if got is None and checksum:
             got = _digest((n, tensors[n]) for n in names)
@@ -321,6 +324,8 @@ class LoGRAWorkerExtension:
             if c is not None and (tuple(c.shape) != (shape[1],) or not _finite(c)):
                 raise DeltaMismatchError(f"update {delta.step}: column scale for {n} is {tuple(c.shape)} or "
                                          "not finite")
+            if n in delta.fitted and not _finite(delta_projection(delta, config, n, shape[1], kept=s["fitted"])):
+                raise DeltaMismatchError(f"update {delta.step}: fitted projection for {n} holds NaN or Inf")
         for n, t in dense.items():
             if n not in s["dense"]:
                 raise DeltaMismatchError(f"update {delta.step} sends dense {n}, which this engine's config "
@@ -334,7 +339,7 @@ class LoGRAWorkerExtension:
         """``name``'s weight after ``delta``: merged into a temporary (``copy``) or in place."""
         w = s["tensors"][name]
         out = w.clone() if copy else w
-        a = delta_projection(delta, s["config"], name, w.shape[1], w.device)
+        a = delta_projection(delta, s["config"], name, w.shape[1], w.device, kept=s["fitted"])
         with torch.no_grad():
             merge_update(out, delta.factors[name].to(w.device), a, delta.decay)
         return out

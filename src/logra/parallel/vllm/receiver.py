@@ -80,7 +80,8 @@ def expected_fused_checksum(hf_state: Mapping[str, torch.Tensor], layout: FusedL
 
 # ------------------------------------------------------------------ deltas
 def _validate(fused: Mapping[str, torch.Tensor], delta: PolicyDelta, config: LoGRAConfig,
-              layout: FusedLayout) -> list[tuple[str, torch.Tensor, Slot]]:
+              layout: FusedLayout, kept: Mapping[str, torch.Tensor] | None = None
+              ) -> list[tuple[str, torch.Tensor, Slot]]:
     check_sync(delta, config)
     plan = []
     for name, u in delta.factors.items():
@@ -100,6 +101,8 @@ def _validate(fused: Mapping[str, torch.Tensor], delta: PolicyDelta, config: LoG
         if tuple(u.shape) != (s.hf_shape[0], config.rank) or config.rank > s.hf_shape[1]:
             raise DeltaMismatchError(f"delta factor for {name} is {tuple(u.shape)}, the HF weight is {s.hf_shape}, "
                                      f"rank {config.rank}")
+        if name in delta.fitted:  # carried or kept, and of the right shape
+            delta_projection(delta, config, name, s.hf_shape[1], kept=kept)
         plan.append((name, u, s))
     return plan
 
@@ -109,11 +112,13 @@ STRATEGIES = ("full", "slice")
 
 @torch.no_grad()
 def apply_delta_fused(fused: Mapping[str, torch.Tensor], delta: PolicyDelta, config: LoGRAConfig,
-                      layout: FusedLayout, strategy: str = "full") -> None:
+                      layout: FusedLayout, strategy: str = "full",
+                      kept: Mapping[str, torch.Tensor] | None = None) -> None:
     """In place: merge ``delta`` into one rank's fused tensors, one matmul per target.
 
     For each target the projection ``A`` is rebuilt from the seeds exactly as
-    `apply_delta` does, and `merge_update` (the trainer's arithmetic: ``U`` and ``A``
+    `apply_delta` does (a fitted one is the delta's, or else ``kept``'s: the projections of
+    the stream's first delta), and `merge_update` (the trainer's arithmetic: ``U`` and ``A``
     cast to the weight's dtype, decay first, then ``addmm_``) runs in the fused
     tensor's dtype and device. Step order is not checked here: use `FusedReceiver`.
 
@@ -136,12 +141,12 @@ def apply_delta_fused(fused: Mapping[str, torch.Tensor], delta: PolicyDelta, con
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    plan = _validate(fused, delta, config, layout)
+    plan = _validate(fused, delta, config, layout, kept)
     for name, u, s in plan:
         w = s.fused_part(fused[s.fused_name])
         if w.numel() == 0:  # a vocab shard made only of padding rows
             continue
-        a = delta_projection(delta, config, name, s.hf_shape[1])
+        a = delta_projection(delta, config, name, s.hf_shape[1], kept=kept)
         if tuple(w.shape) == s.hf_shape:
             merge_update(w, u.to(w.device), a.to(w.device), delta.decay)
         elif strategy == "full":
@@ -182,6 +187,7 @@ class FusedReceiver:
         self.step = step
         self.needs_resync = False
         self.resyncs = 0
+        self.fitted: dict[str, torch.Tensor] = {}  # distribution='inputs': the stream's first delta's
 
     def apply(self, delta: PolicyDelta, checksum: str | None = None,
               dense: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -204,13 +210,15 @@ class FusedReceiver:
             raise NeedsResyncError("this receiver's weights failed verification; it accepts only a full resync")
         if delta.step != self.step:
             raise DeltaGapError(self.step, delta.step)
-        _validate(self.params, delta, self.config, self.layout)
+        _validate(self.params, delta, self.config, self.layout, self.fitted)
         if dense:
             try:
                 plan_copy(self.params, dense, self.layout, strict=False)
             except LayoutError as e:
                 raise DeltaMismatchError(f"dense tensors do not fit: {e}") from e
-        apply_delta_fused(self.params, delta, self.config, self.layout, self.strategy)
+        apply_delta_fused(self.params, delta, self.config, self.layout, self.strategy, self.fitted)
+        if delta.projections:
+            self.fitted = dict(delta.projections)
         if dense:
             copy_into_fused(self.params, dense, self.layout)
         if checksum is not None:

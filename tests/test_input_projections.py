@@ -1,0 +1,158 @@
+"""``distribution='inputs'``: projections fitted to the layers' inputs, carried by the delta and the state."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_qwen2, token_batch, train_steps
+from logra import DeltaMismatchError, LoGRAConfig, LoGRAOptimizer, PolicyDelta, apply_delta
+from logra.delta import set_policy_step
+from logra.projection import InputMoment, build_projection, projection_key
+
+RANK = 8
+
+
+def _config(**kw) -> LoGRAConfig:
+    return LoGRAConfig(rank=RANK, update_ratio=1e-2, distribution="inputs", refresh=False, **kw)
+
+
+def _fit_batches(vocab: int) -> list[dict[str, torch.Tensor]]:
+    """Two ragged batches (padded tokens at the end of a row), as ``model(**batch)`` takes them."""
+    out = []
+    for seed in (100, 101):
+        b = token_batch(vocab, batch=4, length=10, seed=seed)
+        out.append({"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]})
+    return out
+
+
+def _fitted(cfg: LoGRAConfig | None = None, model=None) -> tuple[torch.nn.Module, LoGRAOptimizer]:
+    model = model if model is not None else tiny_qwen2()
+    opt = LoGRAOptimizer(model, cfg or _config())
+    opt.fit_projections(_fit_batches(model.config.vocab_size))
+    return model, opt
+
+
+def test_fitted_projections_span_the_top_eigenvectors_of_each_layers_unpadded_inputs():
+    """Against a float64 numpy reference built from the inputs recorded here, padding excluded."""
+    model = tiny_qwen2()
+    linears = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    seen: dict[str, list[np.ndarray]] = {n: [] for n in linears}
+    batches = _fit_batches(model.config.vocab_size)
+    for batch in batches:
+        keep = batch["attention_mask"].bool()
+        hooks = [m.register_forward_hook(
+            lambda m, args, out, n=n, keep=keep: seen[n].append(args[0][keep].double().numpy()))
+            for n, m in linears.items()]
+        with torch.no_grad():
+            model(**batch)
+        for h in hooks:
+            h.remove()
+    _, opt = _fitted(_config(non_target="sketch"), model)
+    for name in opt.targets:
+        if name not in linears:
+            continue
+        a = opt.projection(name).double()
+        x = np.concatenate(seen[name])
+        q = np.linalg.eigh(x.T @ x)[1][:, -RANK:]
+        in_features = a.shape[1]
+        assert torch.allclose(a @ a.T, torch.eye(RANK, dtype=torch.float64) * in_features / RANK, atol=1e-5), name
+        # same subspace: the projectors onto the row space of A and onto the top eigenvectors agree
+        assert np.abs(a.T.numpy() @ a.numpy() * RANK / in_features - q @ q.T).max() < 1e-5, name
+    embed = "model.embed_tokens.weight"  # not an nn.Linear: the seeded Rademacher projection
+    assert torch.equal(opt.projection(embed), build_projection(opt.config, embed, 0, 32))
+
+
+def test_nystrom_sketch_finds_the_exact_subspace_when_inputs_span_at_most_2r_directions(monkeypatch):
+    """Wider than `EXACT_MOMENT_MAX`, the moment is kept as ``Σ x xᵀ Ω``: exact for inputs of rank ≤ 2r."""
+    monkeypatch.setattr("logra.projection.EXACT_MOMENT_MAX", 0)
+    g = torch.Generator().manual_seed(0)
+    in_features, rank, span = 60, 4, 7
+    basis = torch.linalg.qr(torch.randn(in_features, span, generator=g, dtype=torch.float64))[0]
+    x = torch.randn(500, span, generator=g, dtype=torch.float64) * torch.tensor([9.0, 7, 5, 4, 1, 0.5, 0.2])
+    x = x @ basis.T
+    moment = InputMoment(in_features, rank, seed=3)
+    assert moment.moment.shape == (in_features, 2 * rank)  # in·2r values kept, not in²
+    for chunk in x.split(128):
+        moment.add(chunk.float())
+    got = moment.top_subspace()
+    want = np.linalg.eigh((x.float().double().T @ x.float().double()).numpy())[1][:, -rank:]
+    assert np.abs(got.numpy() @ got.numpy().T - want @ want.T).max() < 1e-8
+
+
+def test_deltas_carry_the_fitted_projections_once_and_receivers_replay_bitwise():
+    cfg = _config(non_target="sketch")
+    trainer, receiver = tiny_qwen2(), tiny_qwen2()
+    late = copy.deepcopy(receiver)
+    _, opt = _fitted(cfg, trainer)
+    deltas = [PolicyDelta.from_bytes(d.to_bytes()) for d in train_steps(trainer, opt, 6)]
+    linear = [n for n in opt.targets if n != "model.embed_tokens.weight"]
+    assert sorted(linear) == sorted(deltas[3].fitted)
+    # one projection per input: q/k/v read one tensor, gate/up another (and with one fitted tensor)
+    groups = {projection_key(n, True): n for n in linear}
+    assert sorted(deltas[0].projections) == sorted(groups) and len(groups) == len(linear) - 3 * 2
+    assert all(not d.projections for d in deltas[1:])
+    assert deltas[0].nbytes - deltas[1].nbytes == sum(RANK * opt.projection(n).shape[1] * 4 for n in groups.values())
+    q, k = opt.sketch_target(linear[0]), opt.sketch_target(linear[1])
+    assert "q_proj" in q.name and "k_proj" in k.name and q.stored_projection is k.stored_projection
+    for d in deltas:
+        apply_delta(receiver, d, cfg)
+    for (n, a), b in zip(trainer.state_dict().items(), receiver.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+    # a receiver that joins after the first delta has no way to rebuild the fitted projections
+    apply_delta(late, deltas[0], cfg)
+    fresh = copy.deepcopy(late)
+    del fresh._logra_fitted_projections
+    set_policy_step(fresh, 1)
+    before = {n: p.clone() for n, p in fresh.named_parameters()}
+    with pytest.raises(DeltaMismatchError, match="first delta of the stream"):
+        apply_delta(fresh, deltas[1], cfg)
+    assert all(torch.equal(p, before[n]) for n, p in fresh.named_parameters())  # nothing changed
+    bad = dict(deltas[0].projections)
+    bad[projection_key(linear[0], True)] = bad[projection_key(linear[0], True)][:, :-1]
+    with pytest.raises(DeltaMismatchError, match="fitted projection"):
+        apply_delta(tiny_qwen2(), PolicyDelta(**{**deltas[0].__dict__, "projections": bad}), cfg)
+
+
+def test_resume_restores_the_fitted_projections_bitwise(tmp_path):
+    model, opt = _fitted()
+    train_steps(model, opt, 3)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    tail = train_steps(model, opt, 3, seed0=3)
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    fresh = tiny_qwen2(seed=123)
+    fresh.load_state_dict(state["model"])
+    opt2 = LoGRAOptimizer(fresh, _config())
+    assert opt2.needs_fit
+    opt2.load_state_dict(state["opt"])
+    assert not opt2.needs_fit
+    tail2 = train_steps(fresh, opt2, 3, seed0=3)
+    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+    assert tail2[0].projections and not tail[0].projections  # the resumed stream carries them again
+    del state["opt"]["fitted_projections"]
+    with pytest.raises(ValueError, match="no fitted projections"):
+        LoGRAOptimizer(tiny_qwen2(), _config()).load_state_dict(state["opt"])
+
+
+def test_unfitted_or_misused_input_projections_are_refused():
+    model = tiny_qwen2()
+    opt = LoGRAOptimizer(model, _config())
+    with pytest.raises(RuntimeError, match="fit_projections"):
+        model(**token_batch(model.config.vocab_size)).loss.backward()
+    with torch.no_grad():  # generation without gradients needs no projection
+        model(**token_batch(model.config.vocab_size))
+    opt.zero_grad()
+    opt.fit_projections(_fit_batches(model.config.vocab_size))
+    train_steps(model, opt, 1)
+    with pytest.raises(ValueError, match="before the first update"):
+        opt.fit_projections(_fit_batches(model.config.vocab_size))
+    with pytest.raises(ValueError, match="distribution='inputs'"):
+        LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=RANK)).fit_projections([])
+    with pytest.raises(ValueError, match="refresh=False"):
+        LoGRAConfig(rank=RANK, distribution="inputs")
+    with pytest.raises(ValueError, match="saw no input tokens"):
+        LoGRAOptimizer(tiny_qwen2(), _config()).fit_projections([])
