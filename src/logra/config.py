@@ -175,7 +175,8 @@ class LoGRAConfig:
         self._refuse_options_that_do_nothing()
         if self.distribution == "inputs" and (self.refresh or self.column_scale != "none"):
             raise ValueError("LoGRAConfig.distribution='inputs' fits one projection per layer for the run: it needs "
-                             "refresh=False and column_scale='none'")
+                             "refresh=False and column_scale='none' (projections redrawn from the seed: "
+                             "distribution='rademacher', the paper's)")
         if self.column_scale != "none" and not self.refresh:
             raise ValueError("LoGRAConfig.column_scale='input' sets the scales at projection refreshes: "
                              "it needs refresh=True")

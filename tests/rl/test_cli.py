@@ -118,8 +118,8 @@ def test_a_model_run_gets_the_embedded_update_with_the_rank_of_its_width(tmp_pat
                 num_key_value_heads=2).save_pretrained(wide)
     config = build_config({"model": str(wide)}, "model")
     assert config.logra.rank == 96 and config.logra.update_ratio == 1e-4
-    assert (config.logra.optimizer, config.logra.beta1, config.logra.refresh, config.logra.trust_ratio) \
-        == ("adam", 0.9, False, "layer")
+    assert (config.logra.optimizer, config.logra.beta1, config.logra.refresh, config.logra.trust_ratio,
+            config.logra.distribution) == ("adam", 0.9, False, "layer", "inputs")
     assert build_config({"model": str(wide), "logra.rank": 64}, "model").logra.rank == 64  # a given rank stays
     paper = build_config({"model": str(wide)})  # what `--recipe none` builds: the paper's update
     assert (paper.logra.rank, paper.logra.optimizer, paper.logra.refresh) == (256, "row_adam", True)
