@@ -83,6 +83,21 @@ def test_nystrom_sketch_finds_the_exact_subspace_when_inputs_span_at_most_2r_dir
     assert np.abs(got.numpy() @ got.numpy().T - want @ want.T).max() < 1e-8
 
 
+def test_a_fit_in_several_passes_gives_the_bits_of_one(monkeypatch):
+    """With `FIT_MOMENT_BYTES` below one moment each layer input gets a pass of its own (over
+    batches given as a one-shot iterator)."""
+    _, whole = _fitted()
+    monkeypatch.setattr("logra.projection.FIT_MOMENT_BYTES", 1)
+    calls = []
+    model = tiny_qwen2()
+    model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    split = LoGRAOptimizer(model, _config())
+    split.fit_projections(iter(_fit_batches(model.config.vocab_size)))
+    assert len(calls) == 2 * len(whole.projector.fitted)  # two batches per input group
+    assert whole.projector.fitted.keys() == split.projector.fitted.keys()
+    assert all(torch.equal(a, split.projector.fitted[g]) for g, a in whole.projector.fitted.items())
+
+
 def test_deltas_carry_the_fitted_projections_once_and_receivers_replay_bitwise():
     cfg = _config(non_target="sketch")
     trainer, receiver = tiny_qwen2(), tiny_qwen2()

@@ -240,6 +240,9 @@ def seeded_distribution(config: LoGRAConfig) -> str:
 #: Inputs up to this width get the exact second moment ``Σ x xᵀ`` (float64, ``in²`` values:
 #: 128 MiB at 4096, held during the fit only); wider ones a one-pass Nyström sketch of it.
 EXACT_MOMENT_MAX = 4096
+#: The fit holds at most this many bytes of moments at once (at least one layer input's):
+#: it runs the batches once per share of the layer inputs rather than hold every moment.
+FIT_MOMENT_BYTES = 256 * 2**20
 
 
 class InputMoment:
@@ -250,6 +253,12 @@ class InputMoment:
     approximation of the moment (Tropp et al., 2017), exact where the inputs span at most
     ``2r`` directions, in ``in·2r`` values instead of ``in²``.
     """
+
+    @staticmethod
+    def nbytes(in_features: int, rank: int) -> int:
+        """Bytes an `InputMoment` of this width and rank holds (its moment and sketch matrix)."""
+        width = min(in_features, 2 * rank)
+        return 8 * (in_features * in_features if in_features <= EXACT_MOMENT_MAX else 2 * in_features * width)
 
     def __init__(self, in_features: int, rank: int, seed: int, device: torch.device | str | None = None) -> None:
         self.rank = rank
@@ -365,36 +374,61 @@ class Projector:
         ``attention_mask`` of the inputs' leading shape, padded tokens are left out. Layers
         that read one input tensor (`SHARED_INPUT_GROUPS`: q/k/v, gate/up) share one moment
         and one fitted tensor, whether or not ``share_projections`` is set: their moments
-        would be the same bits.
+        would be the same bits. The batches run once per share of the layer inputs whose
+        moments fit in `FIT_MOMENT_BYTES` (each input's moment is the same bits whichever
+        pass records it).
         """
+        batches = list(batches)
         readers = self._input_groups()
-        moments = {group: InputMoment(t.in_features, self.config.rank, projection_seed(self.config.seed, 0, group),
-                                      t.weight.device) for group, t in readers.items()}
-        mask: list[torch.Tensor | None] = [None]
+        shares: list[list[str]] = [[]]
+        held = 0
+        for group, t in readers.items():
+            size = InputMoment.nbytes(t.in_features, self.config.rank)
+            if shares[-1] and held + size > FIT_MOMENT_BYTES:
+                shares.append([])
+                held = 0
+            shares[-1].append(group)
+            held += size
+        fitted: dict[str, torch.Tensor] = {}
+        tokens = 0
+        for share in shares:
+            moments = {g: InputMoment(readers[g].in_features, self.config.rank,
+                                      projection_seed(self.config.seed, 0, g), readers[g].weight.device)
+                       for g in share}
+            self._record(model, batches, {g: readers[g].modules[0] for g in moments}, moments)
+            empty = [g for g, moment in moments.items() if not moment.tokens]
+            if empty:
+                raise ValueError(f"fitting projections: {len(empty)} layers saw no input tokens (first: {empty[0]}); "
+                                 "do the batches run through the model's forward?")
+            fitted.update({g: fitted_projection(moment.top_subspace()) for g, moment in moments.items()})
+            tokens = next(iter(moments.values())).tokens
+        self.fitted = fitted
+        self.index = None
+        self.install(0, 0.0)
+        return tokens
 
-        def recorder(key: str):
+    @staticmethod
+    def _record(model: nn.Module, batches: list[Mapping[str, torch.Tensor]], modules: dict[str, nn.Module],
+                moments: dict[str, InputMoment]) -> None:
+        """Run ``model`` over ``batches`` without gradients, adding each module's input tokens
+        (padding left out) to its moment."""
+        mask: torch.Tensor | None = None
+
+        def recorder(group: str):
             def record(module: nn.Module, args: tuple) -> None:
-                moments[key].add(_record_tokens(args[0].detach(), mask[0]))
+                moments[group].add(_record_tokens(args[0].detach(), mask))
             return record
 
-        handles = [t.modules[0].register_forward_pre_hook(recorder(group)) for group, t in readers.items()]
+        handles = [m.register_forward_pre_hook(recorder(g)) for g, m in modules.items()]
         try:
             with torch.no_grad():
                 for batch in batches:
                     m = batch.get("attention_mask")
-                    mask[0] = m.bool() if m is not None else None
+                    mask = m.bool() if m is not None else None
                     model(**batch)
         finally:
             for h in handles:
                 h.remove()
-        empty = [key for key, moment in moments.items() if not moment.tokens]
-        if empty:
-            raise ValueError(f"fitting projections: {len(empty)} layers saw no input tokens (first: {empty[0]}); "
-                             "do the batches run through the model's forward?")
-        self.fitted = {group: fitted_projection(moment.top_subspace()) for group, moment in moments.items()}
-        self.index = None
-        self.install(0, 0.0)
-        return next(iter(moments.values())).tokens
 
     def index_after(self, updates: int) -> int:
         """The projection index in force after ``updates`` applied updates."""
