@@ -243,7 +243,7 @@ def test_data_parallel_two_ranks_stay_identical(tmp_path, optimizer):
     if optimizer == "logra-inputs":
         alone = RLTrainer(_config(tmp_path / "alone", logra=INPUTS), model=_policy()[0], tokenizer=_policy()[1],
                           task=VowelTask(), progress=False)
-        alone._fit_projections()
+        alone.fit_projections()
         for rank in range(2):
             fitted = torch.load(tmp_path / f"fitted{rank}.pt")
             assert fitted.keys() == alone.optimizer.projector.fitted.keys()

@@ -193,8 +193,7 @@ class RLTrainer:
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
 
-        if isinstance(self.optimizer, LoGRAOptimizer) and self.optimizer.needs_fit:
-            self._fit_projections()
+        self.fit_projections()
 
         # rollout and reward
         problems, rollout = self._rollout(self._train_problems(self.num_updates))
@@ -288,8 +287,12 @@ class RLTrainer:
         chosen = rng.sample(self._pool, self.config.prompts_per_update)
         return chosen if every_rank else chosen[self.rank:: self.world]  # whole groups per rank
 
-    def _fit_projections(self) -> None:
-        """``distribution='inputs'``: fit the projections on `_fit_batches`."""
+    def fit_projections(self) -> None:
+        """Fit LoGRA's ``distribution='inputs'`` projections on the first update's prompts,
+        unless they are fitted (or drawn from seeds) already. `train_step` calls it; a loop
+        that steps ``self.optimizer`` itself calls it before its first backward."""
+        if not (isinstance(self.optimizer, LoGRAOptimizer) and self.optimizer.needs_fit):
+            return
         t0 = time.perf_counter()
         tokens = self.optimizer.fit_projections(self._fit_batches())
         if self.world > 1:

@@ -147,6 +147,7 @@ def record_gradients(
                      f"{r['time_update']:.1f} s")
         elif loss == "sft":
             problems = trainer.task.problems("train", updates * sft_batch, seed=config.seed + 1_000)
+            trainer.fit_projections()
             trainer.model.train()
             for i in range(updates):
                 chunk = problems[i * sft_batch: (i + 1) * sft_batch]
