@@ -34,15 +34,15 @@ TARGETS = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A LoGRA run (embedded default: one fixed projection per layer), one with its projections
-    fitted to its inputs and a LoRA run from the same cached warm start."""
+    """A LoGRA run (embedded default: one projection per layer, fitted to its inputs), one with
+    a seeded projection and a LoRA run from the same cached warm start."""
     root = tmp_path_factory.mktemp("spectrum")
     cache = root / "cache"
     for name, extra in (("logra", []), ("lora", ["--optimizer", "lora", "--lr", "1e-2"]),
-                        ("inputs", ["--logra.distribution", "inputs"])):
+                        ("seeded", ["--logra.distribution", "rademacher"])):
         assert train_main([*TRAIN, *extra, "--run_dir", str(root / name), "--cache_dir", str(cache)]) == 0
     (entry,) = list(cache.iterdir())  # the one warm start the runs used
-    return {"logra": root / "logra", "lora": root / "lora", "inputs": root / "inputs",
+    return {"logra": root / "logra", "lora": root / "lora", "seeded": root / "seeded",
             "w0": entry / "model.safetensors", "root": root}
 
 
@@ -165,11 +165,12 @@ def test_a_logra_update_lies_inside_its_own_subspace_and_others_partly(runs, tmp
     assert all(0 < x < 0.99 for x in data["R"]["inside"].values())
     with pytest.raises(SystemExit, match="needs a LoGRA run with refresh=False"):
         main([str(runs["lora"]), "--subspace", str(runs["lora"]), "--out-dir", str(tmp_path)])
-    # fitted projections come from the run's checkpoint: its own update lies inside, a seeded run's does not
-    assert main([str(runs["inputs"]), str(runs["logra"]), "--label", "I", "L", "--subspace", str(runs["inputs"]),
-                 "--out-dir", str(tmp_path), "--json", str(tmp_path / "i.json")]) == 0
-    data = json.loads((tmp_path / "i.json").read_text())["runs"]
-    assert all(x == pytest.approx(1.0, abs=1e-6) for x in data["I"]["inside"].values())
+    # a seeded projection is rebuilt from the run's seed (the fitted one above came from the
+    # default run's checkpoint): the seeded run's update lies inside it, the default run's does not
+    assert main([str(runs["seeded"]), str(runs["logra"]), "--label", "S", "L", "--subspace", str(runs["seeded"]),
+                 "--out-dir", str(tmp_path), "--json", str(tmp_path / "s2.json")]) == 0
+    data = json.loads((tmp_path / "s2.json").read_text())["runs"]
+    assert all(x == pytest.approx(1.0, abs=1e-6) for x in data["S"]["inside"].values())
     assert all(0 < x < 0.99 for x in data["L"]["inside"].values())
 
 
