@@ -53,6 +53,7 @@ class LoGRAConfig:
             most of dense AdamW's update where a random one holds ``r / in`` of it
             (docs/learning.md). Needs ``refresh=False`` and ``column_scale='none'``; the fitted
             projections travel with the first delta of each stream and in the optimizer state.
+            The default of ``logra train``'s recipes (not of this class: its defaults are the paper's).
         refresh: draw new projections after updates (paper) instead of keeping one.
         refresh_every: refresh after every k-th update (1 = every update).
         optimizer: ``'row_adam'`` (paper: one second moment per output row), ``'adam'``
