@@ -22,7 +22,7 @@ import torch
 
 import logra.projection
 from logra import LoGRAConfig, LoGRAOptimizer
-from logra.projection import InputMoment, _record_tokens
+from logra.projection import InputMoment, Projector
 from logra.rl import RLTrainer
 from logra.rl.cli import _parser, build_config
 
@@ -40,16 +40,9 @@ def _moments(trainer: RLTrainer, rank: int) -> dict[str, torch.Tensor]:
     """The exact ``Σ x xᵀ`` of every input group over the same prompts (float64)."""
     probe = LoGRAOptimizer(copy.deepcopy(trainer.model), LoGRAConfig(rank=rank, distribution="inputs", refresh=False))
     readers = probe.projector._input_groups()
-    moments = {g: InputMoment(t.in_features, 1, 0) for g, t in readers.items()}
-    mask: dict[str, torch.Tensor] = {}
-    handles = [t.modules[0].register_forward_pre_hook(
-        lambda m, args, g=g: moments[g].add(_record_tokens(args[0], mask.get("m")))) for g, t in readers.items()]
-    with torch.no_grad():
-        for batch in trainer._fit_batches():
-            mask["m"] = batch["attention_mask"].bool()
-            probe.model(**batch)
-    for h in handles:
-        h.remove()
+    moments = {g: InputMoment(t.in_features, 1, 0) for g, t in readers.items()}  # exact below 4096 features
+    Projector._record(probe.model, list(trainer._fit_batches()), {g: t.modules[0] for g, t in readers.items()},
+                      moments)
     return {g: m.moment for g, m in moments.items()}
 
 

@@ -329,7 +329,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         factors = {}
         targets = self._sketches.targets
         base = None
-        fitted = self.projector.fitted_names()
+        fitted = list(self.projector.fitted_names)
         # fitted projections cannot be rebuilt from a seed: the first delta of a stream carries them
         carried = {} if self._stream_started else {projection_key(n, True): targets[n].projection for n in fitted}
         if not self._stream_started and not any(_is_sharded(w) for w in self.param_groups[0]["params"]):

@@ -348,6 +348,8 @@ class Projector:
                 if target.modules and all(isinstance(m, nn.Linear) for m in target.modules):
                     self.fitted_keys.setdefault(projection_key(name, config.share_projections), target)
         self.fitted: dict[str, torch.Tensor] = {}
+        #: the targets whose projection is fitted to their inputs (empty unless ``'inputs'``)
+        self.fitted_names = [n for n in targets if projection_key(n, config.share_projections) in self.fitted_keys]
 
     def _input_groups(self) -> dict[str, SketchTarget]:
         """Input group → a fitted target that reads it (the one whose module `fit` hooks)."""
@@ -360,11 +362,6 @@ class Projector:
     def needs_fit(self) -> bool:
         """Whether projections are to be fitted (``distribution='inputs'``) and are not yet."""
         return bool(self.fitted_keys) and not self.fitted
-
-    def fitted_names(self) -> list[str]:
-        """The targets whose projection is fitted to their inputs (empty unless ``'inputs'``)."""
-        shared = self.config.share_projections
-        return [n for n in self.targets if projection_key(n, shared) in self.fitted_keys]
 
     def fit(self, model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> int:
         """Fit the projection of every input group to the inputs ``model`` sees on ``batches``
