@@ -276,6 +276,7 @@ def test_rollouts_on_workers_with_verified_deltas(tmp_path, logra):
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["rollout_workers_live"] for r in train] == [2, 2, 2]
     assert all(r["sync_bytes"] > 0 for r in train)
+    assert [r["resyncs"] for r in train] == [0, 0, 0]  # every update arrived as a delta, none as full weights
     # rollouts came from workers holding the trainer's policy: sampling and training log-probs agree
     assert all(r["mismatch_kl"] < 1e-6 for r in train)
     sync = [r for r in rows if r["kind"] == "sync"][-1]
