@@ -41,7 +41,8 @@ class LoGRAConfig:
 
     Attributes:
         rank: rows ``r`` of every projection ``A`` (``[r, in]``).
-        seed: base seed; projections are rebuilt from (seed, update index, layer name).
+        seed: base seed; seeded projections (every one, or with ``'inputs'`` those of the
+            targets it does not fit) are rebuilt from (seed, update index, layer name).
         distribution: ``'rademacher'`` (±1/√r, paper), ``'gaussian'`` (N(0, 1/r)) or
             ``'orthogonal'`` (orthonormal rows × √(in/r): ``AᵀA = I`` exactly at r = in), or
             ``'inputs'`` (not in the paper): each ``nn.Linear`` target's projection spans the
@@ -83,7 +84,8 @@ class LoGRAConfig:
         beta1: first-moment decay (not in the paper; 0 = the paper's update, bitwise). A
             momentum ``M ← β1·M + (1-β1)·S`` is kept per target in sketch space (``[out, r]``,
             one buffer shaped like the sketch buffer) and fed to RowAdam in place of the
-            sketch, bias-corrected as in Adam. Use it with ``refresh_every`` > 1.
+            sketch, bias-corrected as in Adam. Meant with a fixed projection (``refresh=False``,
+            as the recipes run it) or ``refresh_every`` > 1.
         momentum_refresh: what happens to the momentum when the projections are redrawn:
             ``'transfer'`` carries it into the new projection, ``M ← M·(A_old A_newᵀ)``
             (the sketch under ``A_new`` of its reconstruction ``M A_old``); ``'reset'``

@@ -1,4 +1,5 @@
-"""Seeded random projections: any process rebuilds the same ``A`` without receiving it.
+"""Projections: seeded random ones, which any process rebuilds without receiving them, and
+ones fitted to the inputs, which travel with the policy delta.
 
 `Projector` keeps the projections in force for an optimizer; `build_projection` rebuilds
 one on a receiver through the same drawing and unpacking, bit for bit. With
@@ -222,6 +223,8 @@ def build_projection(config: LoGRAConfig, name: str, index: int, in_features: in
 
     This and `Projector` go through the same drawing and unpacking, so every receiver
     (`logra.apply_delta`, rollout workers, the vLLM layout) rebuilds the trainer's bits.
+    A target fitted to its inputs (``distribution='inputs'``) has no seeded projection: its
+    receivers take the one the delta stream carried (`logra.delta.delta_projection`).
     """
     key = projection_key(name, config.share_projections)
     seed = projection_seed(config.seed, index, key)
