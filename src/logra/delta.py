@@ -151,7 +151,8 @@ def delta_projection(delta: PolicyDelta, config: LoGRAConfig, name: str, in_feat
     """The projection that was in force for target ``name`` when ``delta`` was made:
     `logra.projection.build_projection` (the trainer's own builder, times the delta's column
     scales if it carries them), or for a fitted target the projection the delta carries or,
-    failing that, the one in ``kept`` (the receiver's, from the first delta of the stream).
+    failing that, the one in ``kept`` (the receiver's, from the first delta of the stream or a
+    full resync).
 
     Raises:
         DeltaMismatchError: a fitted projection is neither carried nor kept, or has the wrong shape.
@@ -166,8 +167,9 @@ def delta_projection(delta: PolicyDelta, config: LoGRAConfig, name: str, in_feat
     if a is None:
         raise DeltaMismatchError(
             f"update {delta.step}: the projection of {name} was fitted to the trainer's inputs and travels with the "
-            "first delta of the stream, which this receiver has not applied (restart the stream from its first "
-            "delta, or resume the trainer, whose next delta carries it)")
+            "first delta of the stream, which this receiver has not applied (resync it with the trainer's "
+            "LoGRAOptimizer.fitted_projections, as VLLMPolicy.load_from_model and rollout workers do, or resume "
+            "the trainer, whose next delta carries them)")
     if tuple(a.shape) != (config.rank, in_features):
         raise DeltaMismatchError(f"update {delta.step}: the fitted projection of {name} is {tuple(a.shape)}, "
                                  f"expected {(config.rank, in_features)}")
@@ -175,8 +177,17 @@ def delta_projection(delta: PolicyDelta, config: LoGRAConfig, name: str, in_feat
 
 
 def kept_projections(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The fitted projections ``model`` received with the first delta of its stream (by input group)."""
+    """The fitted projections ``model`` received with the first delta of its stream or with
+    a full resync (by input group)."""
     return getattr(model, _FITTED_ATTR, {})
+
+
+def keep_projections(model: nn.Module, projections: Mapping[str, torch.Tensor]) -> None:
+    """Keep fitted projections (by input group) on ``model`` for the deltas that follow: what
+    a full-weight resync does with the trainer's `LoGRAOptimizer.fitted_projections` (`apply_delta`
+    keeps those of a stream's first delta itself). An empty mapping keeps what is held."""
+    if projections:
+        setattr(model, _FITTED_ATTR, dict(projections))
 
 
 def merge_update(weight: torch.Tensor, u: torch.Tensor, projection: torch.Tensor, decay: float) -> None:
@@ -296,6 +307,5 @@ def apply_delta(model: nn.Module, delta: PolicyDelta, config: LoGRAConfig) -> No
             merge_update(w, u.to(w.device), a, delta.decay)
         for name, t in delta.dense.items():
             params[name].copy_(t)
-    if delta.projections:
-        setattr(model, _FITTED_ATTR, dict(delta.projections))
+    keep_projections(model, delta.projections)
     set_policy_step(model, delta.step + 1)

@@ -214,6 +214,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         ``distribution='inputs'`` target before `fit_projections`."""
         return self._sketches.targets[name].projection
 
+    def fitted_projections(self) -> dict[str, torch.Tensor]:
+        """The projections fitted to the inputs, ``[r, in]`` fp32 by input group
+        (`logra.projection.projection_key` with ``shared=True``): what the first delta of a
+        stream carries and what a full-weight resync must send beside the weights, since a
+        receiver cannot rebuild them from a seed. Empty unless ``distribution='inputs'`` and fitted."""
+        projections = {projection_key(n, True): self.projection(n) for n in self.projector.fitted_names}
+        return {k: a for k, a in projections.items() if a is not None}
+
     def describe(self) -> str:
         """One line: what is sketched and which 2-D weights are left to ``non_target``
         (logged once, at construction, on the ``logra.sketch`` logger)."""
@@ -331,7 +339,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         base = None
         fitted = list(self.projector.fitted_names)
         # fitted projections cannot be rebuilt from a seed: the first delta of a stream carries them
-        carried = {} if self._stream_started else {projection_key(n, True): targets[n].projection for n in fitted}
+        carried = {} if self._stream_started else self.fitted_projections()
         if not self._stream_started and not any(_is_sharded(w) for w in self.param_groups[0]["params"]):
             # once per stream: ties it to the weights it starts from (row-sharded weights skip it)
             base = weights_checksum(self.model, sorted(targets))

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import tiny_llama, tiny_qwen2, token_batch
+from conftest import fit_if_needed, tiny_llama, tiny_qwen2, token_batch
 from logra import LoGRAConfig, LoGRAOptimizer, PolicyDelta, apply_delta, policy_step, weights_checksum
 from logra.parallel import (
     HandshakeError,
@@ -241,6 +241,44 @@ def test_handshake_refusal_and_dead_workers(tmp_path):
     assert "no rollout worker left after update 9" in result["stop_message"]
     assert result["state_kept"] and result["num_updates"] == 10 and result["num_updates_after"] == 11
     assert set(result["lost"]) == {1, 2}
+
+
+# ------------------------------------------------------------------ fitted projections and resyncs
+FITTED = LoGRAConfig(rank=4, distribution="inputs", refresh=False)
+
+
+def _fitted_main(rank: int, world: int, store: str, out: str) -> None:
+    out = Path(out)
+
+    def body() -> None:
+        init_local(rank, world, store, backend="gloo")
+        if rank != 0:
+            _serve(rank, FITTED, out)
+            return
+        model = tiny_qwen2()
+        opt = LoGRAOptimizer(model, FITTED)
+        fit_if_needed(model, opt)
+        # The first delta, the only one that carries the fitted projections, never reaches the worker.
+        pub = PolicyPublisher(model, FITTED, [1], optimizer=opt, timeout=60, test_hooks=SyncTestHooks(drop={1: {0}}))
+        outcomes = [pub.publish(_train_step(model, opt, step)).outcome[1] for step in range(6)]
+        torch.save({"outcomes": outcomes, "resyncs": pub.workers[1].resyncs, "state": _state(model)},
+                   out / "trainer.pt")
+        pub.close()
+
+    _guard(out, rank, body)
+
+
+def test_a_resync_hands_a_worker_the_fitted_projections_it_missed(tmp_path):
+    """A worker that lost the stream's first delta is resynced with the weights and the fitted
+    projections, so later updates arrive as deltas again (not one full resync per update)."""
+    codes = spawn_local(_fitted_main, 2, (str(tmp_path),), timeout=90, start_method="forkserver", preload=PRELOAD)
+    errors = "\n".join(f.read_text() for f in sorted(tmp_path.glob("error*.txt")))
+    assert codes == [0, 0], f"exit codes {codes}\n{errors}"
+    trainer, worker = torch.load(tmp_path / "trainer.pt"), torch.load(tmp_path / "worker1.pt")
+    assert trainer["outcomes"][:2] == ["dropped (test hook)",
+                                       "resynced: gap: holds the policy after 0 updates, got update 1"]
+    assert trainer["outcomes"][2:] == ["applied"] * 4 and trainer["resyncs"] == 1
+    assert worker["step"] == 6 and all(torch.equal(worker["state"][n], v) for n, v in trainer["state"].items())
 
 
 # ------------------------------------------------------------------ in-process pieces

@@ -173,7 +173,7 @@ def test_deltas_bitwise_equal_to_apply_delta(make, tp, dtype, strategy):
 def test_fitted_projections_reach_fused_receivers_with_the_first_delta(strategy):
     """``distribution='inputs'``: each tp rank keeps the projections of the stream's first
     delta and merges the later ones bitwise as `apply_delta` does; a rank that joined later
-    refuses, unchanged."""
+    refuses, unchanged, until a full resync hands it the trainer's projections."""
     model = tiny_llama()
     trainer = Trainer(model, distribution="inputs", refresh=False)
     batch = token_batch(model.config.vocab_size, batch=4, seed=50)
@@ -192,9 +192,16 @@ def test_fitted_projections_reach_fused_receivers_with_the_first_delta(strategy)
     lay = layouts(model, 2)[0]
     late = FusedReceiver(fuse_state_dict(hf_state(reference), lay), lay, trainer.config, step=STEPS)
     before = {n: t.clone() for n, t in late.params.items()}
+    delta, _ = trainer.step()
     with pytest.raises(DeltaMismatchError, match="first delta of the stream"):
-        late.apply(trainer.step()[0])
+        late.apply(delta)
     assert late.step == STEPS and all(torch.equal(t, before[n]) for n, t in late.params.items())
+    apply_delta(reference, delta, trainer.config)
+    late.resync(hf_state(reference), STEPS + 1, fitted=trainer.opt.fitted_projections())
+    delta, _ = trainer.step()
+    apply_delta(reference, delta, trainer.config)
+    late.apply(delta)
+    assert_fused_equal(dict(late.params), reference, lay)
 
 
 def test_gap_refused_then_resync_restores():

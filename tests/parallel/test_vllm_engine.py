@@ -167,7 +167,8 @@ def test_fp32_engine_follows_20_updates_refuses_bad_deltas_and_resyncs(engines, 
 
 def test_fitted_projections_reach_the_engine_with_the_first_delta(engines, tmp_path):
     """``distribution='inputs'``: the engine keeps the projections the first delta carries,
-    follows every later delta bitwise, and keeps them across a full resync."""
+    follows every later delta bitwise, and keeps them across a full resync; an engine that
+    missed the first delta gets them with `load_from_model`."""
     get, folder = engines
     run = Run(distribution="inputs", refresh=False)
     ids = torch.tensor(held_out(4, 32), device=DEVICE)
@@ -185,6 +186,10 @@ def test_fitted_projections_reach_the_engine_with_the_first_delta(engines, tmp_p
     engine.publish(run.update())  # no projections in it: the engine merges with the ones it kept
     assert engine.checksum() == engine.trainer_checksum()
     assert (torch.tensor(engine.prompt_logprobs(seqs)) - hf_logprobs(run.model, seqs)).abs().max() < FP32_TOL
+    fresh = VLLMPolicy(get("float32"), run.config, model=run.model, optimizer=run.opt)  # configured anew: none kept
+    assert fresh.load_from_model(run.i) == fresh.trainer_checksum()
+    fresh.publish(run.update())
+    assert fresh.checksum() == fresh.trainer_checksum()
     engine.resync(str(folder), 0)
 
 

@@ -32,8 +32,9 @@ Protocol (every trainer message gets exactly one reply):
   or a checksum mismatch makes it ask for a full resync instead, which the trainer
   answers at once; a step behind the worker's (a late duplicate) is acked as stale.
 - ``full``: safetensors bytes of every parameter (also the comparison mode
-  ``publish(delta, mode='full')``); the worker loads it, verifies the checksum of all
-  parameters and calls `set_policy_step`.
+  ``publish(delta, mode='full')``) and, with ``distribution='inputs'``, of the fitted
+  projections; the worker loads it, verifies the checksum of all parameters, keeps the
+  projections and calls `set_policy_step`.
 - ``generate``: prompts in, sampled token ids and their log-probabilities out.
 
 A worker whose link fails or times out is marked lost and reported (log and

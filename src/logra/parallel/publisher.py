@@ -20,7 +20,7 @@ from ..errors import LinkError, NoWorkersLeftError
 from ..optimizer import LoGRAOptimizer
 from ..projection import stable_name
 from .identity import PolicyIdentity
-from .wire import Link, Message, Outgoing, encode_full_weights
+from .wire import Link, Message, Outgoing, encode_full_weights, encode_tensors
 
 LOG = logging.getLogger(__name__)
 
@@ -121,7 +121,8 @@ class PolicyPublisher:
         worker_ranks: global ranks of the rollout workers.
         optimizer: the trainer's `LoGRAOptimizer`; its ``dense_parameters()`` (non-target
             parameters trained by AdamW) are sent densely with each delta, and its
-            ``num_updates`` is the current step.
+            ``num_updates`` is the current step. Its fitted projections
+            (``distribution='inputs'``) travel with every full-weight resync.
         group: process group holding trainer and workers (default: the world).
         timeout: seconds to wait on any one link before declaring the worker lost.
         checksum_every: put the target-weight checksum into every k-th delta (workers
@@ -154,6 +155,7 @@ class PolicyPublisher:
             raise ValueError(f"checksum_every must be >= 0, got {checksum_every}")
         self.checksum_every = checksum_every
         self.hooks = test_hooks or SyncTestHooks()
+        self.optimizer = optimizer
         self.step = optimizer.num_updates if optimizer is not None else policy_step(model)
         ids = {id(p) for p in optimizer.dense_parameters()} if optimizer is not None else set()
         self.dense_names = [stable_name(n) for n, p in model.named_parameters() if id(p) in ids]
@@ -193,7 +195,11 @@ class PolicyPublisher:
 
     def _full_message(self) -> Message:
         header = {"step": self.step, "checksum": weights_checksum(self.model)}
-        return Message("full", header, [encode_full_weights(self.model)])
+        blobs = [encode_full_weights(self.model)]
+        fitted = self.optimizer.fitted_projections() if self.optimizer is not None else {}
+        if fitted:  # not rebuildable from a seed: without them the worker would refuse every later delta
+            blobs.append(encode_tensors(fitted))
+        return Message("full", header, blobs)
 
     # -------------------------------------------------------------- handshake
     def _handshake(self) -> None:

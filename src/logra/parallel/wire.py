@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +20,18 @@ from ..errors import DeltaMismatchError, LinkError
 from ..projection import stable_name
 
 
+def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """Safetensors bytes of CPU copies of ``tensors``."""
+    return _st_save({name: t.detach().contiguous().cpu() for name, t in tensors.items()})
+
+
 def encode_full_weights(model: nn.Module) -> bytes:
     """Safetensors bytes of every parameter of ``model``, keyed by stable name (tied weights once)."""
-    return _st_save({stable_name(n): p.detach().contiguous().cpu() for n, p in model.named_parameters()})
+    return encode_tensors({stable_name(n): p for n, p in model.named_parameters()})
 
 
 def decode_full_weights(data: bytes) -> dict[str, torch.Tensor]:
-    """Inverse of `encode_full_weights` (CPU tensors)."""
+    """Inverse of `encode_full_weights` and `encode_tensors` (CPU tensors)."""
     return dict(_st_load(data))
 
 

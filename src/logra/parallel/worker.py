@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import LoGRAConfig
-from ..delta import PolicyDelta, apply_delta, policy_step, set_policy_step, weights_checksum
+from ..delta import PolicyDelta, apply_delta, keep_projections, policy_step, set_policy_step, weights_checksum
 from ..errors import DeltaMismatchError, HandshakeError, LinkError, SyncError, TrainerLostError
 from .identity import PolicyIdentity
 from .wire import Link, Message, decode_full_weights, load_full_weights
@@ -92,6 +92,8 @@ class RolloutWorker:
         if got != message.header["checksum"]:
             raise SyncError(f"full weights for step {message.header['step']} arrived with checksum {got}, "
                             f"trainer sent {message.header['checksum']}")
+        if len(message.blobs) > 1:  # the fitted projections (distribution='inputs') come with the weights
+            keep_projections(self.model, decode_full_weights(message.blobs[1]))
         set_policy_step(self.model, message.header["step"])
         self.resyncs += 1
 

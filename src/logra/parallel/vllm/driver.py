@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -101,7 +101,8 @@ class VLLMPolicy:
         model: the trainer's HF model (optional). With it, `publish` sends the densely
             trained non-target tensors with each delta and attaches the trainer's checksum
             when the engine holds the trainer's dtype; `verify` compares the two.
-        optimizer: the trainer's `LoGRAOptimizer` (its ``dense_parameters()`` travel densely).
+        optimizer: the trainer's `LoGRAOptimizer` (its ``dense_parameters()`` travel densely,
+            and its fitted projections with `load_from_model`).
         verify_every: attach the trainer's checksum to every k-th delta (0 = never).
 
     Call `verify` once to check that the engine starts from the trainer's weights, or
@@ -113,6 +114,7 @@ class VLLMPolicy:
         self.llm = llm
         self.config = config
         self.model = model
+        self.optimizer = optimizer
         self.verify_every = verify_every
         ids = {id(p) for p in optimizer.dense_parameters()} if optimizer is not None else set()
         self.dense_names = [stable_name(n) for n, p in (model.named_parameters() if model is not None else ())
@@ -138,11 +140,13 @@ class VLLMPolicy:
         return got
 
     def load_from_model(self, step: int) -> str:
-        """Full resync from the trainer ``model``'s current weights (sent as safetensors bytes) at ``step``."""
+        """Full resync from the trainer ``model``'s current weights (sent as safetensors bytes) at
+        ``step``, with the optimizer's fitted projections (``distribution='inputs'``), if any."""
         if self.model is None:
             raise ValueError("VLLMPolicy was built without the trainer's model")
         state = {stable_name(n): p.detach().to(self.dtype).contiguous().cpu() for n, p in self.model.named_parameters()}
-        return self.resync(st_save(state), step)
+        fitted = self.optimizer.fitted_projections() if self.optimizer is not None else None
+        return self.resync(st_save(state), step, fitted)
 
     def _call(self, method: str, *args: Any) -> str:
         """One ``collective_rpc``; every worker must answer the same."""
@@ -215,11 +219,18 @@ class VLLMPolicy:
         """The engine's `weights_checksum` of its target weights (HF names)."""
         return self._call("logra_checksum")
 
-    def resync(self, path_or_bytes: str | bytes, step: int) -> str:
-        """Full-weight sync from a saved policy (folder, safetensors file or bytes) at ``step``."""
+    def resync(self, path_or_bytes: str | bytes, step: int,
+               fitted: Mapping[str, torch.Tensor] | None = None) -> str:
+        """Full-weight sync from a saved policy (folder, safetensors file or bytes) at ``step``.
+
+        ``fitted``: the trainer's fitted projections (`LoGRAOptimizer.fitted_projections`), for
+        an engine that has not received the first delta of the stream; ``None`` keeps the
+        engine's (a resumed trainer's first delta carries them again anyway).
+        """
+        fitted_bytes = st_save({k: a.detach().contiguous().cpu() for k, a in fitted.items()}) if fitted else b""
         try:
             return self._call("logra_load_full", str(path_or_bytes) if not isinstance(path_or_bytes, bytes)
-                          else path_or_bytes, step)
+                              else path_or_bytes, step, fitted_bytes)
         finally:
             self._weights_changed()
 

@@ -377,12 +377,13 @@ class LoGRAWorkerExtension:
         self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------ rpc: full resync
-    def logra_load_full(self, path_or_bytes: str | bytes, step: int) -> str:
+    def logra_load_full(self, path_or_bytes: str | bytes, step: int, fitted: bytes = b"") -> str:
         """Load a whole saved policy (HF names: a folder, a ``.safetensors`` file or its bytes) at ``step``.
 
         Every parameter of the engine's model must be present (a tied ``lm_head`` may be
-        absent); tensors are cast to the engine's dtype. Afterwards the engine accepts
-        update ``step`` next. Returns the checksum.
+        absent); tensors are cast to the engine's dtype. ``fitted``: safetensors bytes of the
+        trainer's fitted projections (by input group), kept for the deltas that follow; empty
+        keeps the engine's. Afterwards the engine accepts update ``step`` next. Returns the checksum.
 
         Raises:
             LayoutError: the saved policy lacks a parameter or has another shape; the engine is unchanged.
@@ -408,6 +409,8 @@ class LoGRAWorkerExtension:
         self._logra_repack(s, names)
         if isinstance(path_or_bytes, str):  # where a later reconfiguration re-reads the shadow from
             self._logra_source = path_or_bytes
+        if fitted:
+            s["fitted"] = dict(st_load(fitted))
         s["step"] = step
         s["needs_resync"] = False
         return self.logra_checksum()

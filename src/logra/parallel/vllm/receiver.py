@@ -238,7 +238,8 @@ class FusedReceiver:
         """`fused_checksum` of this rank's tensors (all if ``names`` is None)."""
         return fused_checksum(self.params, names)
 
-    def resync(self, hf_state: Mapping[str, torch.Tensor], step: int, checksum: str | None = None) -> None:
+    def resync(self, hf_state: Mapping[str, torch.Tensor], step: int, checksum: str | None = None,
+               fitted: Mapping[str, torch.Tensor] | None = None) -> None:
         """Full-weight sync: overwrite every fused tensor from an HF state dict, then hold ``step``.
 
         Args:
@@ -246,6 +247,8 @@ class FusedReceiver:
             step: the policy step these weights are.
             checksum: the trainer's `expected_fused_checksum` over all fused tensors of
                 this rank (None: not verified).
+            fitted: the trainer's fitted projections (`LoGRAOptimizer.fitted_projections`),
+                kept for the deltas that follow (None keeps the receiver's).
 
         Raises:
             LayoutError: ``hf_state`` does not cover the fused tensors.
@@ -258,6 +261,8 @@ class FusedReceiver:
                 self.needs_resync = True
                 raise ChecksumMismatchError(f"full weights for step {step} arrived with checksum {got}, "
                                             f"trainer sent {checksum}")
+        if fitted:
+            self.fitted = dict(fitted)
         self.step = step
         self.needs_resync = False
         self.resyncs += 1
