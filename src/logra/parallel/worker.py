@@ -87,13 +87,14 @@ class RolloutWorker:
         self._send("ack", {"step": self.step, "status": "resynced" if reply.header["full"] else "in sync"})
 
     def _load_full(self, message: Message) -> None:
+        # with distribution='inputs' the fitted projections come as a second blob
+        fitted = decode_full_weights(message.blobs[1]) if len(message.blobs) > 1 else {}
         load_full_weights(self.model, decode_full_weights(message.blobs[0]))
         got = weights_checksum(self.model)
         if got != message.header["checksum"]:
             raise SyncError(f"full weights for step {message.header['step']} arrived with checksum {got}, "
                             f"trainer sent {message.header['checksum']}")
-        if len(message.blobs) > 1:  # the fitted projections (distribution='inputs') come with the weights
-            keep_projections(self.model, decode_full_weights(message.blobs[1]))
+        keep_projections(self.model, fitted)
         set_policy_step(self.model, message.header["step"])
         self.resyncs += 1
 

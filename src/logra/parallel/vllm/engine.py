@@ -397,6 +397,7 @@ class LoGRAWorkerExtension:
                 raise LayoutError(f"full weights for step {step} lack {n}")
             if tuple(full[n].shape) != shape:
                 raise LayoutError(f"full weights for step {step}: {n} is {tuple(full[n].shape)}, expected {shape}")
+        projections = dict(st_load(fitted)) if fitted else None  # read before any weight changes
         names = [n for n in sorted(full) if n in s["shapes"]]
         try:
             self._logra_reload((n, full[n].to(s["dtype"])) for n in names)
@@ -409,8 +410,8 @@ class LoGRAWorkerExtension:
         self._logra_repack(s, names)
         if isinstance(path_or_bytes, str):  # where a later reconfiguration re-reads the shadow from
             self._logra_source = path_or_bytes
-        if fitted:
-            s["fitted"] = dict(st_load(fitted))
+        if projections:
+            s["fitted"] = projections
         s["step"] = step
         s["needs_resync"] = False
         return self.logra_checksum()
