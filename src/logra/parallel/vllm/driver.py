@@ -28,6 +28,7 @@ from ...config import LoGRAConfig
 from ...delta import PolicyDelta, weights_checksum
 from ...errors import ChecksumMismatchError, SyncError
 from ...projection import stable_name
+from ..wire import encode_tensors
 
 #: what ``worker_extension_cls`` must name
 EXTENSION = "logra.parallel.vllm.LoGRAWorkerExtension"
@@ -227,7 +228,7 @@ class VLLMPolicy:
         an engine that has not received the first delta of the stream; ``None`` keeps the
         engine's (a resumed trainer's first delta carries them again anyway).
         """
-        fitted_bytes = st_save({k: a.detach().contiguous().cpu() for k, a in fitted.items()}) if fitted else b""
+        fitted_bytes = encode_tensors(fitted) if fitted else b""
         try:
             return self._call("logra_load_full", str(path_or_bytes) if not isinstance(path_or_bytes, bytes)
                               else path_or_bytes, step, fitted_bytes)
