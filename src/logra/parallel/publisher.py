@@ -344,8 +344,22 @@ class PolicyPublisher:
         self._require_workers()
         return PublishReport(delta.step, mode, payload, sent, encode_s, deliver_s, outcome)
 
-    def full_sync(self, ranks: list[int] | None = None) -> PublishReport:
-        """Send the trainer's full weights (and step) to ``ranks`` (default: all live workers)."""
+    def full_sync(self, ranks: list[int] | None = None, step: int | None = None) -> PublishReport:
+        """Send the trainer's full weights (and step) to ``ranks`` (default: all live workers).
+
+        Args:
+            ranks: the workers to resync (default: every live one).
+            step: the policy step the trainer's weights are at, if it moved without `publish`
+                (a checkpoint loaded into the trainer's model: its update count); from then
+                on it is the publisher's step.
+
+        Raises:
+            ValueError: ``step`` is below the last published update.
+        """
+        if step is not None:
+            if step < self.step:
+                raise ValueError(f"step {step} is below the publisher's {self.step}: those updates were published")
+            self.step = step
         self._require_workers()
         t0 = time.perf_counter()
         message = self._full_message()

@@ -35,7 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..delta import weights_checksum
-from ..errors import ChecksumMismatchError
+from ..errors import ChecksumMismatchError, SyncError
 from ..optimizer import LoGRAOptimizer
 from ..parallel import global_token_count, init_from_env, verify_weights
 from ..parallel.vllm import VLLMPolicy, make_engine
@@ -330,6 +330,10 @@ class RLTrainer:
         samples = self.workers.publisher.generate(ids, cfg.max_new_tokens, cfg.temperature,
                                                   seed=cfg.seed * 1_000_003 + self.num_updates * len(ids),
                                                   eos_token_id=eos)
+        stale = {s.policy_step for s in samples} - {self.num_updates}
+        if stale:  # the loss would weigh these samples as the current policy's
+            raise SyncError(f"rollouts for update {self.num_updates} came from rollout workers holding policy step "
+                            f"{sorted(stale)}")
         rows = [(s.prompt_ids, s.response_ids, s.logprobs, eos not in s.response_ids) for s in samples]
         return expanded, layout_rollouts(rows, self.tokenizer, self.device)
 
@@ -407,6 +411,8 @@ class RLTrainer:
             if got != self.workers.trainer_checksum():
                 raise ChecksumMismatchError(f"vLLM engine after resume: checksum {got} differs from the trainer's "
                                             f"{self.workers.trainer_checksum()}")
+        elif self.workers is not None:
+            self.workers.resync(self.num_updates)
         if self.rank == 0:  # metrics written after the checkpoint are dropped: the log matches the run
             self.log.truncate(self.num_updates, evaluated=self._evaluated_at == self.num_updates)
 

@@ -68,6 +68,11 @@ class RolloutWorkers:
         return {"rollout_workers_live": len(self.publisher.live), "sync_bytes": report.sent_bytes,
                 "resyncs": sum(o.startswith("resynced") for o in report.outcome.values())}
 
+    def resync(self, step: int) -> None:
+        """Send every live worker the trainer's weights at update ``step``: after the trainer
+        loaded a checkpoint, the workers still hold the weights they were started with."""
+        self.publisher.full_sync(step=step)
+
     def close(self) -> None:
         """Stop the workers and leave their process group."""
         self.publisher.close()
