@@ -93,21 +93,27 @@ def _faults_main(rank: int, world: int, store: str, out: str) -> None:
             reports.append(pub.publish(delta, mode="full" if step == 25 else "delta"))
         prompts = [[5, 9, 11], [7, 3], [12, 14, 15, 16], [8]]
         rollouts = pub.generate(prompts, max_new_tokens=6, temperature=1.0, seed=3)
+        nucleus = pub.generate(prompts * 2, max_new_tokens=6, temperature=0.7, seed=3, top_p=0.3)
         model.eval()
-        teacher = []
+        teacher, ranks = [], []
         with torch.no_grad():
-            for r in rollouts:
+            for r, t in [(r, 1.0) for r in rollouts] + [(r, 0.7) for r in nucleus]:
                 ids = torch.tensor([r.prompt_ids + r.response_ids])
-                logp = model(input_ids=ids).logits[0].log_softmax(-1)
+                logp = (model(input_ids=ids).logits[0] / t).log_softmax(-1)
                 n = len(r.prompt_ids)
                 teacher.append(logp[n - 1: -1].gather(1, ids[0, n:, None])[:, 0].tolist())
+                # each sampled token's place in the nucleus order: the mass of the tokens above it
+                probs = logp[n - 1: -1].exp()
+                picked = probs.gather(1, ids[0, n:, None])
+                ranks.extend((probs * (probs > picked)).sum(1).tolist())
         result = {
             "outcomes": [(r.step, r.mode, r.outcome, r.payload_bytes) for r in reports],
             "worker_checksums": pub.checksums(),
             "trainer_checksum": weights_checksum(model),
             "resyncs": {r: w.resyncs for r, w in pub.workers.items()},
-            "rollouts": [(r.worker, r.policy_step, r.response_ids, r.logprobs) for r in rollouts],
+            "rollouts": [(r.worker, r.policy_step, r.response_ids, r.logprobs) for r in rollouts + nucleus],
             "teacher": teacher,
+            "mass_above": ranks,
             "state": _state(model),
             "dense_names": pub.dense_names,
         }
@@ -177,7 +183,12 @@ def test_generate_through_workers(faults_run):
     assert workers == {1, 2}
     for (_, step, response, logprobs), teacher in zip(trainer["rollouts"], trainer["teacher"], strict=True):
         assert step == 30 and 1 <= len(response) <= 6
+        # the full tempered distribution's log-probs, also where sampling was truncated (top_p)
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(teacher), rtol=1e-4, atol=1e-4)
+    # top_p 0.3: every sampled token lies in the nucleus, the smallest set of tokens holding
+    # 0.3 of the mass (the tokens ranked above it hold less than 0.3)
+    nucleus_tokens = trainer["mass_above"][sum(len(r[2]) for r in trainer["rollouts"][:4]):]
+    assert len(nucleus_tokens) >= 8 and max(nucleus_tokens) < 0.3
 
 
 # ------------------------------------------------------------------ refusal and dead workers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -293,6 +294,32 @@ def test_rollouts_on_workers_with_verified_deltas(tmp_path, logra):
     assert set(sync["workers"].values()) == {sync["trainer"]}
     with pytest.raises(ValueError, match="rollout_workers"):
         RLConfig(rollout_workers=1, optimizer="adamw")
+
+
+def test_rollout_workers_sample_the_configured_nucleus(tmp_path):
+    """``top_p`` reaches the rollout workers: every token of the first update's responses lies
+    in the nucleus of the starting policy (its tokens ranked above hold < top_p of the mass),
+    and the recorded log-probs are the full tempered distribution's."""
+    model, tok = _policy()
+    start = copy.deepcopy(model).eval()
+    recorded = []
+
+    class Recording(RLTrainer):
+        def _rollout(self, problems):
+            out = super()._rollout(problems)
+            recorded.append(out[1])
+            return out
+
+    cfg = _config(tmp_path, updates=1, rollout_workers=1, top_p=0.1, temperature=0.8)
+    Recording(cfg, model=model, tokenizer=tok, task=VowelTask(), progress=False).train()
+    r = recorded[0]
+    with torch.no_grad():
+        logp = (start(input_ids=r.input_ids, attention_mask=r.attention_mask).logits[:, :-1] / 0.8).log_softmax(-1)
+    tokens, mask = r.input_ids[:, 1:, None], r.response_mask[:, 1:].bool()
+    probs, picked = logp.exp(), logp.exp().gather(-1, tokens)
+    mass_above = (probs * (probs > picked)).sum(-1)[mask]
+    assert mass_above.numel() >= 16 and mass_above.max() < 0.1
+    torch.testing.assert_close(r.logprobs[:, 1:][mask], logp.gather(-1, tokens)[..., 0][mask], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("non_target", ["freeze", "sketch"])

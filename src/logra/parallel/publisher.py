@@ -397,11 +397,14 @@ class PolicyPublisher:
         temperature: float = 1.0,
         seed: int = 0,
         eos_token_id: int | None = None,
+        top_p: float = 1.0,
     ) -> list[WorkerRollout]:
         """Sample one response per prompt on the live workers (round-robin split).
 
         Prompts of a worker lost meanwhile are regenerated on the remaining ones. Prompt
-        ``i`` is sampled with seed ``seed + i`` whichever worker runs it.
+        ``i`` is sampled with seed ``seed + i`` whichever worker runs it. With ``top_p < 1``
+        sampling is truncated to the nucleus; the log-probabilities are those of the full
+        tempered distribution, as `logra.rl.generate_rollouts` records them.
 
         Raises:
             NoWorkersLeftError: every worker was lost.
@@ -416,7 +419,7 @@ class PolicyPublisher:
                 if not idx:
                     continue
                 request = {"prompts": [prompts[i] for i in idx], "seeds": [seed + i for i in idx],
-                           "max_new_tokens": max_new_tokens, "temperature": temperature,
+                           "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
                            "eos_token_id": eos_token_id}
                 try:
                     self._links[rank].send("generate", request)

@@ -131,8 +131,8 @@ class RolloutWorker:
         pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)
         gen = GenerationConfig(
             do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_k=0,
-            top_p=1.0, max_new_tokens=int(request["max_new_tokens"]), eos_token_id=eos, pad_token_id=pad,
-            output_scores=True, return_dict_in_generate=True,
+            top_p=float(request.get("top_p", 1.0)), max_new_tokens=int(request["max_new_tokens"]), eos_token_id=eos,
+            pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
         )
         device = next(self.model.parameters()).device
         responses, logprobs = [], []
@@ -144,10 +144,13 @@ class RolloutWorker:
                 ids = torch.tensor([prompt], dtype=torch.long, device=device)
                 with torch.no_grad():
                     out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-                    scores = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
                 resp = out.sequences[0, ids.shape[1]:]
+                # the full tempered distribution's log-probabilities (not the nucleus'), as the
+                # trainer's own sampler records them: the loss's importance weights expect those
+                logits = torch.stack(out.logits, dim=1)[0].float() / (temperature if temperature > 0 else 1.0)
+                lp = logits.log_softmax(-1).gather(-1, resp[:, None])[:, 0]
                 responses.append(resp.tolist())
-                logprobs.append(scores[0, : resp.shape[0]].float().tolist())
+                logprobs.append(lp.tolist())
         finally:
             self.model.train(was_training)
         return {"responses": responses, "logprobs": logprobs, "step": self.step}

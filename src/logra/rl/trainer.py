@@ -329,7 +329,7 @@ class RLTrainer:
         eos = self.tokenizer.eos_token_id
         samples = self.workers.publisher.generate(ids, cfg.max_new_tokens, cfg.temperature,
                                                   seed=cfg.seed * 1_000_003 + self.num_updates * len(ids),
-                                                  eos_token_id=eos)
+                                                  eos_token_id=eos, top_p=cfg.top_p)
         stale = {s.policy_step for s in samples} - {self.num_updates}
         if stale:  # the loss would weigh these samples as the current policy's
             raise SyncError(f"rollouts for update {self.num_updates} came from rollout workers holding policy step "
