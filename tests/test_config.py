@@ -25,6 +25,7 @@ def test_bad_config_values():
     ({"second_moment": "momentum", "beta1": 0.9, "optimizer": "adam"}, "second_moment"),  # adam ignores it
     ({"moment_dtype": "bfloat16"}, "moment_dtype"),  # nothing to store
     ({"momentum_refresh": "reset"}, "momentum_refresh"),
+    ({"lr": 1e-2}, "lr"),  # the update ratio sizes the steps
     ({"weight_decay": 0.1}, "weight_decay"),  # the update ratio ignores it
     ({"trust_ratio": "layer", "update_ratio": None}, "trust_ratio"),
     ({"refresh_every": 5, "refresh": False}, "refresh_every"),
@@ -39,6 +40,7 @@ def test_the_same_options_are_accepted_where_they_act():
     LoGRAConfig(moment_dtype="bfloat16", optimizer="adam")
     LoGRAConfig(momentum_refresh="reset", beta1=0.5)
     LoGRAConfig(weight_decay=0.1, update_ratio=None)
+    LoGRAConfig(lr=1e-2, update_ratio=None)
     LoGRAConfig(trust_ratio="element")
     LoGRAConfig(refresh_every=5)
 

@@ -196,6 +196,8 @@ class LoGRAConfig:
              f"second_moment_refresh={self.second_moment_refresh!r} needs optimizer='adam' and refresh=True"),
             (self.momentum_refresh != "transfer", self.beta1 > 0,
              f"momentum_refresh={self.momentum_refresh!r} needs beta1 > 0"),
+            (self.lr != _DEFAULT_LR, self.update_ratio is None,
+             "lr sizes steps in lr mode only: set update_ratio=None (otherwise update_ratio sizes them)"),
             (self.weight_decay > 0, self.update_ratio is None,
              "weight_decay applies in lr mode only: set update_ratio=None (the update ratio sizes steps without it)"),
             (self.trust_ratio != "global", self.update_ratio is not None,
@@ -236,3 +238,6 @@ class LoGRAConfig:
         out = dataclasses.asdict(self)
         out["target_modules"] = list(self.target_modules)
         return out
+
+
+_DEFAULT_LR = next(f.default for f in dataclasses.fields(LoGRAConfig) if f.name == "lr")

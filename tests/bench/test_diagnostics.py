@@ -217,7 +217,8 @@ def _tiny_run(tmp_path, optimizer, seed):
     cfg = RLConfig(optimizer=optimizer, seed=seed, updates=1, prompts_per_update=4, responses_per_prompt=4,
                    micro_batch=8, max_new_tokens=6, eval_every=1, eval_problems=4, checkpoint_every=0,
                    run_dir=str(tmp_path / f"{optimizer}-s{seed}"), logra=LoGRAConfig(rank=8, update_ratio=1e-2),
-                   kl=KLControlConfig(budget=1e-3, budget_final=1e-4, schedule_steps=10), lr=1e-3)
+                   kl=KLControlConfig(budget=1e-3, budget_final=1e-4, schedule_steps=10),
+                   **({"lr": 1e-3} if optimizer in ("adamw", "lora") else {}))
     RLTrainer(cfg, model=model, tokenizer=tok, task=task, progress=False).train()
     return learn.read_run(cfg.run_dir, optimizer, seed)
 

@@ -41,7 +41,9 @@ def _config(tmp_path, **kw) -> RLConfig:
     base = dict(task="basic_arithmetic", optimizer="logra", updates=3, prompts_per_update=4, responses_per_prompt=4,
                 micro_batch=8, max_new_tokens=6, eval_every=0, eval_problems=8, checkpoint_every=2,
                 run_dir=str(tmp_path / "run"), logra=LoGRAConfig(rank=8, update_ratio=1e-2),
-                kl=KLControlConfig(budget=1e-3, budget_final=1e-4, schedule_steps=10), lr=1e-3)
+                kl=KLControlConfig(budget=1e-3, budget_final=1e-4, schedule_steps=10))
+    if kw.get("optimizer") in ("adamw", "lora"):
+        base["lr"] = 1e-3
     base.update(kw)
     return RLConfig(**base)
 
@@ -207,6 +209,12 @@ def test_bad_input_is_refused_before_work(tmp_path):
         RLConfig(optimizer="adamw", lr_schedule="linear")
     with pytest.raises(ValueError, match="no learning-rate schedule"):
         RLConfig(optimizer="logra", lr_schedule="constant")
+    # a baseline's setting under an optimizer that ignores it
+    for options, option in [({"lr": 3e-4}, "lr"), ({"adam_beta1": 0.0}, "adam_beta1"), ({"lora_rank": 8}, "lora_rank"),
+                            ({"optimizer": "adamw", "lora_rank": 8}, "lora_rank")]:
+        with pytest.raises(ValueError, match=f"RLConfig.{option}=.* applies to optimizer"):
+            RLConfig(**options)
+    RLConfig(optimizer="lora", lr=3e-4, adam_beta1=0.0, lora_rank=8)
 
 
 def _dp_rank(rank: int, world: int, store: str, root: str, optimizer: str) -> None:

@@ -70,7 +70,8 @@ def test_stale_gradients_on_a_given_model_do_not_reach_the_first_update(tmp_path
             model(input_ids=ids, labels=ids).loss.backward()
         config = RLConfig(task="basic_arithmetic", optimizer=optimizer, updates=2, prompts_per_update=2,
                           responses_per_prompt=2, max_new_tokens=4, eval_every=0, eval_problems=2,
-                          checkpoint_every=0, run_dir=str(tmp_path / f"run-{stale}"), lr=1e-3,
+                          checkpoint_every=0, run_dir=str(tmp_path / f"run-{stale}"),
+                          **({"lr": 1e-3} if optimizer in ("adamw", "lora") else {}),
                           logra=LoGRAConfig(rank=4, non_target="adamw"), kl=KLControlConfig(budget=1e-3))
         trainer = RLTrainer(config, model=model, tokenizer=tok, progress=False)
         for _ in range(2):

@@ -173,6 +173,13 @@ class RLConfig:
             raise ValueError(f"lr_schedule={self.lr_schedule!r} applies to the adamw and lora baselines only; "
                              f"optimizer={self.optimizer!r} has no learning-rate schedule (the KL budget sizes "
                              "its steps: kl.budget -> kl.budget_final)")
+        # a baseline's setting changed under another optimizer would be silently ignored
+        for name, users in (("lr", ("adamw", "lora")), ("adam_beta1", ("adamw", "lora")), ("lora_rank", ("lora",))):
+            if self.optimizer not in users and getattr(self, name) != _FIELD_DEFAULTS[name]:
+                raise ValueError(f"RLConfig.{name}={getattr(self, name)!r} applies to optimizer "
+                                 f"{' or '.join(map(repr, users))} only, not {self.optimizer!r}"
+                                 + (" (LoGRA's step size is logra.update_ratio, or logra.lr with "
+                                    "logra.update_ratio=None)" if name == "lr" else ""))
         if 0 < self.train_pool < self.prompts_per_update:
             raise ValueError(f"train_pool ({self.train_pool}) must be 0 (the default pool) or at least "
                              f"prompts_per_update ({self.prompts_per_update}): each update samples its prompts "
@@ -198,6 +205,9 @@ class RLConfig:
         out = dataclasses.asdict(self)
         out["logra"] = self.logra.to_dict()
         return out
+
+
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RLConfig)}
 
 
 def build_task(config: RLConfig) -> Task:
