@@ -41,7 +41,7 @@ def _moments(trainer: RLTrainer, rank: int) -> dict[str, torch.Tensor]:
     probe = LoGRAOptimizer(copy.deepcopy(trainer.model), LoGRAConfig(rank=rank, distribution="inputs", refresh=False))
     readers = probe.projector._input_groups()
     moments = {g: InputMoment(t.in_features, 1, 0) for g, t in readers.items()}  # exact below 4096 features
-    Projector._record(probe.model, list(trainer._fit_batches()), {g: t.modules[0] for g, t in readers.items()},
+    Projector._record(probe.model, list(trainer._fit_batches()), {g: [t.modules[0]] for g, t in readers.items()},
                       moments)
     return {g: m.moment for g, m in moments.items()}
 

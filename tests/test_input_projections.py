@@ -171,3 +171,49 @@ def test_unfitted_or_misused_input_projections_are_refused():
         LoGRAConfig(rank=RANK, distribution="inputs")
     with pytest.raises(ValueError, match="saw no input tokens"):
         LoGRAOptimizer(tiny_qwen2(), _config()).fit_projections([])
+
+
+class _Block(torch.nn.Module):
+    """One attention block's q/k/v. With ``cross`` k and v read an encoder's states, as in
+    cross-attention; without it each reads its own copy of the block's input."""
+
+    def __init__(self, cross: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.self_attn = torch.nn.ModuleDict({n: torch.nn.Linear(16, 16, bias=False)
+                                              for n in ("q_proj", "k_proj", "v_proj")})
+        self.cross = cross
+
+    def forward(self, x: torch.Tensor, encoder: torch.Tensor) -> torch.Tensor:
+        attn = self.self_attn
+        kv = encoder if self.cross else x.clone()
+        return (attn["q_proj"](x) @ attn["k_proj"](kv).T) @ attn["v_proj"](kv.clone())
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_a_group_whose_layers_read_different_inputs_is_refused(cross):
+    """q/k/v share one fitted projection, which only holds when they read one input: with
+    cross-attention, k_proj fitted to q_proj's inputs would see none of its own directions."""
+    model = _Block(cross)
+    opt = LoGRAOptimizer(model, LoGRAConfig(rank=4, update_ratio=1e-2, distribution="inputs", refresh=False,
+                                            target_modules=("q_proj", "k_proj", "v_proj")))
+    gen = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(12, 16, generator=gen), "encoder": torch.randn(12, 16, generator=gen) * 3}]
+    if cross:
+        with pytest.raises(ValueError, match="self_attn.k_proj reads another input than self_attn.q_proj"):
+            opt.fit_projections(batches)
+    else:  # copies of one input are the same input
+        assert opt.fit_projections(batches) == 12
+
+
+def test_a_fit_on_fewer_tokens_than_the_rank_warns():
+    """Rows past the tokens' span hold directions no input showed: said, not silent."""
+    model = tiny_qwen2()
+    opt = LoGRAOptimizer(model, LoGRAConfig(rank=16, update_ratio=1e-2, distribution="inputs", refresh=False))
+    few = {"input_ids": torch.tensor([[3, 5, 7, 9]]), "attention_mask": torch.tensor([[1, 1, 1, 0]])}
+    with pytest.warns(UserWarning, match=r"fitted on fewer input tokens than the rank 16 \(first: .*, 3 tokens\)"):
+        assert opt.fit_projections([few]) == 3
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _fitted(_config(), tiny_qwen2())  # 2 × 4 rows of up to 10 tokens: more than the rank 8

@@ -171,7 +171,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
         Raises:
             ValueError: the config's distribution is not ``'inputs'``, an update was already
-                applied, or a target saw no tokens.
+                applied, a target saw no tokens, or layers that share a fit (q/k/v, gate/up)
+                read different inputs (cross-attention). A target that saw fewer tokens than
+                the rank is fitted with a warning.
         """
         if self.config.distribution != "inputs":
             raise ValueError(f"fit_projections needs LoGRAConfig.distribution='inputs', not "

@@ -22,6 +22,7 @@ import hashlib
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -376,10 +377,20 @@ class Projector:
         and one fitted tensor, whether or not ``share_projections`` is set: their moments
         would be the same bits. The batches run once per share of the layer inputs whose
         moments fit in `FIT_MOMENT_BYTES` (each input's moment is the same bits whichever
-        pass records it).
+        pass records it). An input group that saw fewer tokens than the rank is fitted and
+        warned about: its other rows span directions no input showed.
+
+        Raises:
+            ValueError: a layer of a group reads another input than the group's first (as
+                cross-attention's k/v do), or no layer saw a token.
         """
         batches = list(batches)
         readers = self._input_groups()
+        # every module of a group, the reader first: the others are checked to read its input
+        members: dict[str, list[nn.Module]] = {g: [t.modules[0]] for g, t in readers.items()}
+        for name in self.fitted_names:
+            group = members[projection_key(name, True)]
+            group.extend(m for m in self.targets[name].modules if all(m is not k for k in group))
         shares: list[list[str]] = [[]]
         held = 0
         for group, t in readers.items():
@@ -391,41 +402,71 @@ class Projector:
             held += size
         fitted: dict[str, torch.Tensor] = {}
         tokens = 0
+        scarce: dict[str, int] = {}  # input groups that saw fewer tokens than the rank
         for share in shares:
             moments = {g: InputMoment(readers[g].in_features, self.config.rank,
                                       projection_seed(self.config.seed, 0, g), readers[g].weight.device)
                        for g in share}
-            self._record(model, batches, {g: readers[g].modules[0] for g in moments}, moments)
+            self._record(model, batches, {g: members[g] for g in moments}, moments)
             empty = [g for g, moment in moments.items() if not moment.tokens]
             if empty:
                 raise ValueError(f"fitting projections: {len(empty)} layers saw no input tokens (first: {empty[0]}); "
                                  "do the batches run through the model's forward?")
             fitted.update({g: fitted_projection(moment.top_subspace()) for g, moment in moments.items()})
-            tokens = next(iter(moments.values())).tokens
+            tokens = max(tokens, *(moment.tokens for moment in moments.values()))
+            scarce.update({g: moment.tokens for g, moment in moments.items() if moment.tokens < self.config.rank})
+        if scarce:
+            first, seen = next(iter(scarce.items()))
+            warnings.warn(f"{len(scarce)} projections fitted on fewer input tokens than the rank {self.config.rank} "
+                          f"(first: {first}, {seen} tokens): their other rows span directions no input showed. "
+                          "Fit on more prompts (logra train fits on the first update's)", stacklevel=3)
         self.fitted = fitted
         self.index = None
         self.install(0, 0.0)
         return tokens
 
     @staticmethod
-    def _record(model: nn.Module, batches: list[Mapping[str, torch.Tensor]], modules: dict[str, nn.Module],
+    def _record(model: nn.Module, batches: list[Mapping[str, torch.Tensor]], modules: dict[str, list[nn.Module]],
                 moments: dict[str, InputMoment]) -> None:
-        """Run ``model`` over ``batches`` without gradients, adding each module's input tokens
-        (padding left out) to its moment."""
-        mask: torch.Tensor | None = None
+        """Run ``model`` over ``batches`` without gradients, adding the input tokens (padding
+        left out) of each group's first module to its moment.
 
-        def recorder(group: str):
+        Raises:
+            ValueError: another module of a group read another input (cross-attention's
+                ``k_proj``/``v_proj`` read the encoder's states): one moment cannot serve them.
+        """
+        mask: torch.Tensor | None = None
+        seen: dict[str, list[list[tuple]]] = {}
+
+        def recorder(group: str, i: int):
             def record(module: nn.Module, args: tuple) -> None:
-                moments[group].add(_record_tokens(args[0].detach(), mask))
+                x = args[0].detach()
+                if i == 0:
+                    moments[group].add(_record_tokens(x, mask))
+                # a fingerprint of the input's values: a module given a copy of it still matches
+                fingerprint = (tuple(x.shape), float(x.sum(dtype=torch.float64)),
+                               float(torch.linalg.vector_norm(x, dtype=torch.float64)))
+                seen.setdefault(group, [[] for _ in modules[group]])[i].append(fingerprint)
             return record
 
-        handles = [m.register_forward_pre_hook(recorder(g)) for g, m in modules.items()]
+        handles = [m.register_forward_pre_hook(recorder(g, i)) for g, ms in modules.items() for i, m in enumerate(ms)]
         try:
             with torch.no_grad():
                 for batch in batches:
                     m = batch.get("attention_mask")
                     mask = m.bool() if m is not None else None
+                    seen.clear()
                     model(**batch)
+                    for group, inputs in seen.items():
+                        other = next((i for i in range(1, len(inputs)) if inputs[i] != inputs[0]), None)
+                        if other is not None:
+                            names = {id(m): n for n, m in model.named_modules()}
+                            raise ValueError(
+                                f"fitting projections: {names.get(id(modules[group][other]))} reads another input "
+                                f"than {names.get(id(modules[group][0]))} (as "
+                                "cross-attention's k_proj/v_proj read the encoder's states); "
+                                "distribution='inputs' fits one projection per input that q/k/v or gate/up share. "
+                                "Use a seeded distribution ('rademacher', the paper's) for this model")
         finally:
             for h in handles:
                 h.remove()
