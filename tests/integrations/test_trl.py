@@ -30,6 +30,7 @@ from logra import KLController, LoGRAConfig, LoGRAError  # noqa: E402
 from logra.integrations import KLControlledLoGRA  # noqa: E402
 from logra.integrations import trl as trl_integration  # noqa: E402
 from logra.integrations.trl import LoGRAGRPOTrainer  # noqa: E402
+from logra.kl import KLControlConfig  # noqa: E402
 from logra.rl.tiny import byte_tokenizer  # noqa: E402
 
 BUDGET = 1e-6  # constant and far below the full step's KL, so α < α_max is exercised
@@ -243,7 +244,8 @@ def test_trl_clipping_moved_to_logra_with_a_warning(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["use_vllm", "fp16", "optimizer", "peft", "non_target_sketch", "inputs", "deepspeed", "fsdp", "sharded"])
+    "case", ["use_vllm", "fp16", "optimizer", "peft", "non_target_sketch", "inputs", "deepspeed", "fsdp", "sharded",
+             "kl_schedule_by_epochs"])
 def test_conflicting_settings_are_refused(case, model_dir, tmp_path, monkeypatch):
     """Each refusal says what to do instead. Plain DDP is supported (test_trl_ddp.py); sharding is not."""
     kwargs = dict(model=str(model_dir), reward_funcs=digits, train_dataset=_dataset())
@@ -253,6 +255,7 @@ def test_conflicting_settings_are_refused(case, model_dir, tmp_path, monkeypatch
         "peft": "drop peft_config", "non_target_sketch": "non_target='freeze'", "inputs": "fit_projections",
         "deepspeed": "plain data parallel",
         "fsdp": "plain data parallel", "sharded": "plain data parallelism (DDP) only",
+        "kl_schedule_by_epochs": "set kl_config.schedule_steps",
     }[case]
     if case == "use_vllm":  # server mode; colocate runs (test_trl_vllm.py)
         args.use_vllm, args.vllm_mode = True, "server"
@@ -272,6 +275,9 @@ def test_conflicting_settings_are_refused(case, model_dir, tmp_path, monkeypatch
         args.deepspeed = {"zero_optimization": {"stage": 2}}
     elif case == "fsdp":
         args.fsdp = ["full_shard"]
+    elif case == "kl_schedule_by_epochs":  # schedule_steps=0 means max_steps, and there is none
+        args.max_steps = -1
+        kwargs["kl_config"] = KLControlConfig(schedule_steps=0)
     else:  # several processes, but accelerate shards (e.g. an FSDP or tensor-parallel accelerate config)
         monkeypatch.setattr(LoGRAGRPOTrainer, "_data_parallel", property(lambda self: True))
         monkeypatch.setattr(trl_integration, "_plain_data_parallel", lambda accelerator: False)

@@ -244,7 +244,8 @@ class LoGRAGRPOTrainer(GRPOTrainer):
             per process under DDP (the ranks' probes are pooled).
         probe_max_tokens: at most this many probe positions.
         kl_config: all KL-control settings in one `KLControlConfig` (as `logra train` takes
-            them; ``schedule_steps=0`` = TRL's ``max_steps``); when given, it replaces
+            them; ``schedule_steps=0`` = TRL's ``max_steps``, refused when training by
+            epochs, ``max_steps=-1``); when given, it replaces
             ``kl_controller``, ``kl_control``, ``probe_responses`` and ``probe_max_tokens``.
         measure_realized_kl: also log the exact KL on the probe after each step
             (two extra probe forward passes).
@@ -290,7 +291,11 @@ class LoGRAGRPOTrainer(GRPOTrainer):
             raise ValueError(f"probe_responses must be >= 1, got {probe_responses}")
         _check_args(params["args"], logra_config)
         if kl_config is not None:
-            steps = params["args"].max_steps if params["args"].max_steps > 0 else 300
+            if not kl_config.schedule_steps and params["args"].max_steps <= 0:
+                raise ValueError("LoGRA's KLControlConfig.schedule_steps=0 decays the KL budget over TRL's max_steps, "
+                                 "which is unset (training by epochs): set kl_config.schedule_steps (updates) or "
+                                 "args.max_steps")
+            steps = params["args"].max_steps
             kl_control, probe_responses, probe_max_tokens = kl_config.enabled, kl_config.probe_responses, \
                 kl_config.probe_max_tokens
             kl_controller = kl_config.controller(steps)
