@@ -132,6 +132,17 @@ def test_deltas_carry_the_fitted_projections_once_and_receivers_replay_bitwise()
         apply_delta(tiny_qwen2(), PolicyDelta(**{**deltas[0].__dict__, "projections": bad}), cfg)
 
 
+def test_the_fitted_projections_handed_out_are_copies():
+    """What a delta carries or a resync sends is kept by receivers, also in this process: a
+    receiver that changed it in place must not change the trainer's projections."""
+    _, opt = _fitted()
+    handed = opt.fitted_projections()
+    name = next(n for n in opt.targets if projection_key(n, True) in handed)
+    before = opt.projection(name).clone()
+    handed[projection_key(name, True)].zero_()
+    assert torch.equal(opt.projection(name), before)
+
+
 def test_resume_restores_the_fitted_projections_bitwise(tmp_path):
     model, opt = _fitted()
     train_steps(model, opt, 3)

@@ -211,18 +211,20 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return self._sketches.targets[name]
 
     def projection(self, name: str) -> torch.Tensor | None:
-        """The projection ``A`` (``[r, in]`` fp32) currently in force for target ``name`` (a
-        fresh tensor: Rademacher projections are stored as packed sign bits); None for a
-        ``distribution='inputs'`` target before `fit_projections`."""
+        """The projection ``A`` (``[r, in]`` fp32) currently in force for target ``name``; None
+        for a ``distribution='inputs'`` target before `fit_projections`. Read it only: where
+        the projection is stored in fp32 (fitted, Gaussian, orthogonal) this is the tensor in
+        force itself (Rademacher ones, stored as packed sign bits, are unpacked afresh)."""
         return self._sketches.targets[name].projection
 
     def fitted_projections(self) -> dict[str, torch.Tensor]:
         """The projections fitted to the inputs, ``[r, in]`` fp32 by input group
         (`logra.projection.projection_key` with ``shared=True``): what the first delta of a
         stream carries and what a full-weight resync must send beside the weights, since a
-        receiver cannot rebuild them from a seed. Empty unless ``distribution='inputs'`` and fitted."""
+        receiver cannot rebuild them from a seed. Empty unless ``distribution='inputs'`` and fitted.
+        Copies: a receiver in this process keeps them apart from the optimizer's."""
         projections = {projection_key(n, True): self.projection(n) for n in self.projector.fitted_names}
-        return {k: a for k, a in projections.items() if a is not None}
+        return {k: a.clone() for k, a in projections.items() if a is not None}
 
     def describe(self) -> str:
         """One line: what is sketched and which 2-D weights are left to ``non_target``
