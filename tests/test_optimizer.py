@@ -234,3 +234,19 @@ def test_a_refused_state_changes_nothing():
     assert other.num_updates == 0 and after["hyper"] == before["hyper"] and after["non_target"]["state"] == {}
     assert torch.equal(torch.cat(list(after["second_moments"].values())),
                        torch.cat(list(before["second_moments"].values())))
+
+
+@pytest.mark.parametrize("options", [dict(optimizer="sgd", beta1=0.9), dict(optimizer="adam")],
+                         ids=["momentum", "adam"])
+def test_a_state_of_other_targets_with_as_many_rows_is_refused(options):
+    """The first moment and Adam's element-wise moment are flat over the targets' rows: a state
+    saved for q_proj must not load into an optimizer of o_proj (same rows) as if it were its own."""
+    trained = tiny_qwen2()
+    opt = LoGRAOptimizer(trained, LoGRAConfig(rank=4, target_modules=("q_proj",), **options))
+    train_steps(trained, opt, 2)
+    other = LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=4, target_modules=("o_proj",), **options))
+    assert other.sketch_buffer.shape == opt.sketch_buffer.shape
+    with pytest.raises(ValueError, match=r"other targets: first difference \['model.layers.0.self_attn.q_proj"):
+        other.load_state_dict(opt.state_dict())
+    LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=4, target_modules=("q_proj",), **options)).load_state_dict(
+        opt.state_dict())

@@ -422,7 +422,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """
         hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         state = {"num_updates": self._step, "sync": self.config.sync_fields(), "hyper": hyper,
-                 "momentum": None, "element_v": None}
+                 "layout": self._layout(), "momentum": None, "element_v": None}
         state.update(self.rule.state_dict())
         if self.first_moment is not None:
             state.update(self.first_moment.state_dict())
@@ -454,12 +454,23 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._sketches.zero_()
         self.projector.load_state(state_dict, self._step, self.param_groups[0]["beta2"])
 
+    def _layout(self) -> list[list[Any]]:
+        """``[name, rows]`` of every target in buffer order: the flat moments' layout."""
+        return [[name, t.sketch.shape[0]] for name, t in self._sketches.targets.items()]
+
     def _check_state(self, state: dict[str, Any]) -> None:
         """Raise `ValueError` if `load_state_dict` must refuse ``state``; changes nothing."""
         mismatch = self.config.sync_mismatch(state["sync"])
         if mismatch is not None:
             key, theirs, ours = mismatch
             raise ValueError(f"optimizer state was saved with {key}={theirs!r}, config has {ours!r}")
+        # the first moment and the element-wise second moment are flat over every target's
+        # rows: of the same size, another set of targets would load without complaint
+        saved, ours = state.get("layout"), self._layout()  # absent from states of older versions
+        if saved is not None and [list(e) for e in saved] != ours:
+            theirs, mine = next((a, b) for a, b in zip([*saved, None], [*ours, None], strict=True) if a != b)
+            raise ValueError(f"optimizer state was saved for other targets: first difference {theirs} (saved) vs "
+                             f"{mine} (this optimizer's [name, rows])")
         if (state["non_target"] is None) != (self._dense is None):
             raise ValueError("optimizer state and this optimizer disagree on non-target training")
         if (state.get("momentum") is None) != (self.first_moment is None):
