@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -250,3 +251,19 @@ def test_a_state_of_other_targets_with_as_many_rows_is_refused(options):
         other.load_state_dict(opt.state_dict())
     LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=4, target_modules=("q_proj",), **options)).load_state_dict(
         opt.state_dict())
+
+
+def test_a_state_restores_its_own_step_settings_and_says_so():
+    """As torch optimizers do, the saved update ratio and betas win over a changed config's,
+    with a warning naming both (not silently, with the config still showing the new ones)."""
+    trained = tiny_qwen2()
+    opt = LoGRAOptimizer(trained, LoGRAConfig(rank=4, update_ratio=1e-2))
+    train_steps(trained, opt, 1)
+    changed = LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=4, update_ratio=1e-3, beta2=0.9))
+    with pytest.warns(UserWarning, match=r"update_ratio=0.01 \(config: 0.001\), beta2=0.95 \(config: 0.9\)"):
+        changed.load_state_dict(opt.state_dict())
+    assert changed.param_groups[0]["update_ratio"] == 1e-2 and changed.param_groups[0]["beta2"] == 0.95
+    same = LoGRAOptimizer(tiny_qwen2(), LoGRAConfig(rank=4, update_ratio=1e-2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(opt.state_dict())

@@ -435,6 +435,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         and options. Everything is checked before anything changes: a refused state
         (`ValueError`, naming what differs) leaves this optimizer as it was."""
         self._check_state(state_dict)
+        # as torch optimizers do, the state's step settings win over the config's: said, since
+        # a resume with a changed config would otherwise run with values it does not show
+        ours = self.param_groups[0]
+        changed = [f"{k}={v!r} (config: {ours[k]!r})" for k, v in state_dict["hyper"].items()
+                   if k in _CONFIG_HYPER and v != ours[k]]
+        if changed:
+            warnings.warn(f"optimizer state restores its own {', '.join(changed)}; set "
+                          "optimizer.param_groups[0][name] after loading to change them", stacklevel=2)
         for saved, ours in ((state_dict.get("momentum"), self.first_moment and self.first_moment.m),
                             (state_dict.get("element_v"), getattr(self.rule, "v", None))):
             if torch.is_tensor(saved) and torch.is_tensor(ours) and saved.dtype != ours.dtype:
@@ -589,3 +597,8 @@ class DenseRowAdam(torch.optim.Optimizer):
         super().load_state_dict(state_dict["row_adam"])
         if self._dense is not None:  # torch's load makes new group dicts: share AdamW's again
             self.param_groups[1] = self._dense.param_groups[0]
+
+
+#: the LoGRA group's settings taken from the config that no scheduler changes (``lr`` is
+#: scheduled by trainers that wrap the optimizer)
+_CONFIG_HYPER = ("update_ratio", "weight_decay", "beta1", "beta2", "eps")
