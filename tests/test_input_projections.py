@@ -228,3 +228,22 @@ def test_a_fit_on_fewer_tokens_than_the_rank_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _fitted(_config(), tiny_qwen2())  # 2 × 4 rows of up to 10 tokens: more than the rank 8
+
+
+@pytest.mark.parametrize("case", ["k_v_not_called", "nan_in_padding"])
+def test_inputs_that_are_not_another_input_are_not_refused(case):
+    """KV-shared layers skip k_proj/v_proj when a cache exists (no input is no other input);
+    a NaN in a padded token, which the moment leaves out, is the same input in q, k and v."""
+    model = _Block(cross=False)
+    attn = model.self_attn
+    if case == "k_v_not_called":
+        model.forward = lambda x, encoder, attention_mask=None: attn["q_proj"](x)
+    else:
+        model.forward = lambda x, encoder, attention_mask=None: sum(attn[n](x) for n in ("q_proj", "k_proj", "v_proj"))
+    opt = LoGRAOptimizer(model, LoGRAConfig(rank=4, update_ratio=1e-2, distribution="inputs", refresh=False,
+                                            target_modules=("q_proj", "k_proj", "v_proj")))
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(1))
+    x[11] = float("nan")
+    mask = torch.ones(12, dtype=torch.long)
+    mask[11] = 0
+    assert opt.fit_projections([{"x": x, "encoder": x, "attention_mask": mask}]) == 11

@@ -443,9 +443,9 @@ class Projector:
                 x = args[0].detach()
                 if i == 0:
                     moments[group].add(_record_tokens(x, mask))
-                # a fingerprint of the input's values: a module given a copy of it still matches
-                fingerprint = (tuple(x.shape), float(x.sum(dtype=torch.float64)),
-                               float(torch.linalg.vector_norm(x, dtype=torch.float64)))
+                # a fingerprint of the input's values (a module given a copy of it still matches),
+                # reduced in its own dtype (no float64 copy) and compared as hex (NaN == NaN)
+                fingerprint = (tuple(x.shape), float(x.sum()).hex(), float(torch.linalg.vector_norm(x)).hex())
                 seen.setdefault(group, [[] for _ in modules[group]])[i].append(fingerprint)
             return record
 
@@ -458,7 +458,9 @@ class Projector:
                     seen.clear()
                     model(**batch)
                     for group, inputs in seen.items():
-                        other = next((i for i in range(1, len(inputs)) if inputs[i] != inputs[0]), None)
+                        # a layer not called in this forward (a KV-shared layer with a cache) is no evidence
+                        other = next((i for i in range(1, len(inputs)) if inputs[i] and inputs[i] != inputs[0]),
+                                     None)
                         if other is not None:
                             names = {id(m): n for n, m in model.named_modules()}
                             raise ValueError(

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from logra.bench import learn
+from logra.rl.cli import _parser, build_config
 
 
 def _fake_run(run_dir: Path, start: float, final: float, alpha: float = 0.5, checksum: str | None = None) -> None:
@@ -102,3 +103,18 @@ def test_report_only_runs_nothing_and_skips_missing(tmp_path, monkeypatch, capsy
     out = capsys.readouterr().out
     assert "| LoGRA | 0,1 |" in out and "| mom | 0 |" in out and "+3.0 ± 1.4 (n=1)" not in out
     assert "+3.0 ±" in out  # mom vs LoGRA on seed 0
+
+
+def test_flags_passed_through_go_to_the_runs_that_read_them():
+    """A baseline's flag given to ``logra bench learn`` reaches AdamW / LoRA and is left out of
+    the runs whose config would refuse it (LoGRA has no Adam beta1, only LoRA a LoRA rank)."""
+    common = ["--updates", "4", "--adam_beta1", "0", "--lora_rank=16", "--lr_schedule", "constant", "--threads", "1"]
+    assert learn._train_args("logra", 0, "1e-3", common) == [
+        "--optimizer", "logra", "--seed", "0", "--updates", "4", "--threads", "1"]
+    assert learn._train_args("adamw", 1, "1e-3", common) == [
+        "--optimizer", "adamw", "--seed", "1", "--lr", "1e-3", "--updates", "4", "--adam_beta1", "0",
+        "--lr_schedule", "constant", "--threads", "1"]
+    assert learn._train_args("lora", 2, "1e-2", common)[6:] == common
+    for method in ("logra", "adamw", "lora"):  # each run's arguments build a config it accepts
+        args = vars(_parser().parse_args(learn._train_args(method, 0, "1e-3", common)))
+        build_config({k: v for k, v in args.items() if k not in ("config", "resume", "quiet", "recipe")}, "embedded")

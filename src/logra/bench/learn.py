@@ -530,10 +530,23 @@ def _run_minutes(out_dir: Path) -> float:
     return total / 60
 
 
+#: passed-through flags each method does not read (`RLConfig` refuses them for it)
+_IGNORED_FLAGS = {"logra": ("--adam_beta1", "--lora_rank", "--lr_schedule"), "adamw": ("--lora_rank",), "lora": ()}
+
+
 def _train_args(method: str, seed: int, lr: str, common: Sequence[str]) -> list[str]:
-    """`logra train` arguments of one (method, seed) run (LoGRA's step size is its update ratio)."""
+    """`logra train` arguments of one (method, seed) run (LoGRA's step size is its update ratio;
+    flags of the baselines passed through, such as ``--adam_beta1``, go to the runs that read them)."""
     extra = [] if method == "logra" else ["--lr", lr]
-    return ["--optimizer", method, "--seed", str(seed), *extra, *common]
+    ignored, kept, skip = _IGNORED_FLAGS[method], [], False
+    for i, arg in enumerate(common):
+        if skip:
+            skip = False
+        elif arg.split("=")[0] in ignored:
+            skip = "=" not in arg and i + 1 < len(common)
+        else:
+            kept.append(arg)
+    return ["--optimizer", method, "--seed", str(seed), *extra, *kept]
 
 
 def _finished(run_dir: Path, args: Sequence[str]) -> bool:

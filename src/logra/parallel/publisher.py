@@ -350,15 +350,10 @@ class PolicyPublisher:
         Args:
             ranks: the workers to resync (default: every live one).
             step: the policy step the trainer's weights are at, if it moved without `publish`
-                (a checkpoint loaded into the trainer's model: its update count); from then
-                on it is the publisher's step.
-
-        Raises:
-            ValueError: ``step`` is below the last published update.
+                (a checkpoint loaded into the trainer's model: its update count, also an
+                earlier one); from then on it is the publisher's step.
         """
         if step is not None:
-            if step < self.step:
-                raise ValueError(f"step {step} is below the publisher's {self.step}: those updates were published")
             self.step = step
         self._require_workers()
         t0 = time.perf_counter()

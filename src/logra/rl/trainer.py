@@ -387,7 +387,8 @@ class RLTrainer:
     def load_checkpoint(self) -> None:
         """Continue from ``run_dir/checkpoint`` exactly where it stopped.
 
-        The checkpoint holds every weight, so a starting policy that differs from the one the
+        Rollout workers and a vLLM engine are resynced to the checkpoint's weights before any
+        rollout. The checkpoint holds every weight, so a starting policy that differs from the one the
         run started from (a warm-start cache rebuilt since, or another machine) only matters
         when the run's KL penalty takes it as its reference: then the checkpoint is refused.
         The summary keeps naming the weights the run started from.
@@ -396,6 +397,8 @@ class RLTrainer:
             CheckpointError: the checkpoint is missing or a file of it is damaged, or the run has
                 a KL reference and the starting policy loaded now is not the one it started from
                 (nothing loaded).
+            NoWorkersLeftError: no rollout worker took the checkpoint's weights.
+            ChecksumMismatchError: the vLLM engine does not hold them after the resync.
         """
         start = self.policy_info["checksum"] if self.reference is not None else None
         state = load_checkpoint(self.run_dir, self.model, self.rank, self.world, start_checksum=start)
