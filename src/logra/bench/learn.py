@@ -48,6 +48,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from logra.bench import relay  # noqa: E402
 from logra.rl import recipe_config  # noqa: E402
+from logra.rl.config import BASELINE_SETTINGS  # noqa: E402
 from logra.rl.evaluation import start_checksum  # noqa: E402
 
 #: Methods in table order; the first is LoGRA, compared against the second.
@@ -530,15 +531,13 @@ def _run_minutes(out_dir: Path) -> float:
     return total / 60
 
 
-#: passed-through flags each method does not read (`RLConfig` refuses them for it)
-_IGNORED_FLAGS = {"logra": ("--adam_beta1", "--lora_rank", "--lr_schedule"), "adamw": ("--lora_rank",), "lora": ()}
-
-
 def _train_args(method: str, seed: int, lr: str, common: Sequence[str]) -> list[str]:
     """`logra train` arguments of one (method, seed) run (LoGRA's step size is its update ratio;
     flags of the baselines passed through, such as ``--adam_beta1``, go to the runs that read them)."""
     extra = [] if method == "logra" else ["--lr", lr]
-    ignored, kept, skip = _IGNORED_FLAGS[method], [], False
+    # passed-through flags this method does not read (`RLConfig` refuses them for it)
+    ignored = {f"--{name}" for name, users in BASELINE_SETTINGS.items() if method not in users}
+    kept, skip = [], False
     for i, arg in enumerate(common):
         if skip:
             skip = False

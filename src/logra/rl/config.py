@@ -174,7 +174,7 @@ class RLConfig:
                              f"optimizer={self.optimizer!r} has no learning-rate schedule (the KL budget sizes "
                              "its steps: kl.budget -> kl.budget_final)")
         # a baseline's setting changed under another optimizer would be silently ignored
-        for name, users in (("lr", ("adamw", "lora")), ("adam_beta1", ("adamw", "lora")), ("lora_rank", ("lora",))):
+        for name, users in BASELINE_SETTINGS.items():
             if self.optimizer not in users and getattr(self, name) != _FIELD_DEFAULTS[name]:
                 raise ValueError(f"RLConfig.{name}={getattr(self, name)!r} applies to optimizer "
                                  f"{' or '.join(map(repr, users))} only, not {self.optimizer!r}"
@@ -208,6 +208,10 @@ class RLConfig:
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RLConfig)}
+#: settings of the adamw / lora baselines and the optimizers that read them: refused away from
+#: their defaults under any other optimizer
+BASELINE_SETTINGS: dict[str, tuple[str, ...]] = {
+    "lr": ("adamw", "lora"), "lr_schedule": ("adamw", "lora"), "adam_beta1": ("adamw", "lora"), "lora_rank": ("lora",)}
 
 
 def build_task(config: RLConfig) -> Task:
