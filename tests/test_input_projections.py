@@ -10,7 +10,8 @@ import torch
 
 from conftest import tiny_qwen2, token_batch, train_steps
 from logra import DeltaMismatchError, LoGRAConfig, LoGRAOptimizer, PolicyDelta, apply_delta
-from logra.delta import set_policy_step
+from logra.delta import keep_projections, set_policy_step
+from logra.parallel.publisher import PolicyPublisher
 from logra.projection import InputMoment, build_projection, projection_key
 
 RANK = 8
@@ -130,6 +131,44 @@ def test_deltas_carry_the_fitted_projections_once_and_receivers_replay_bitwise()
     bad[projection_key(linear[0], True)] = bad[projection_key(linear[0], True)][:, :-1]
     with pytest.raises(DeltaMismatchError, match="fitted projection"):
         apply_delta(tiny_qwen2(), PolicyDelta(**{**deltas[0].__dict__, "projections": bad}), cfg)
+
+
+def test_a_receiver_resynced_for_another_run_keeps_none_of_the_last_runs_projections():
+    """A full resync is the whole policy state: a receiver that followed run A and is resynced
+    to run B's weights without projections (B's trainer sent none) must refuse B's next delta,
+    not merge it with A's projections; with B's projections it follows B bitwise."""
+    cfg = _config()
+    run_a, receiver = tiny_qwen2(), tiny_qwen2()
+    _, opt_a = _fitted(cfg, run_a)
+    for d in train_steps(run_a, opt_a, 2):
+        apply_delta(receiver, d, cfg)
+    run_b = tiny_qwen2()
+    opt_b = LoGRAOptimizer(run_b, cfg)
+    opt_b.fit_projections([{"input_ids": b["input_ids"]} for b in _fit_batches(run_b.config.vocab_size)[::-1]])
+    train_steps(run_b, opt_b, 2, seed0=10)
+    assert any(not torch.equal(a, opt_b.fitted_projections()[g]) for g, a in opt_a.fitted_projections().items())
+
+    weights, step = copy.deepcopy(run_b.state_dict()), opt_b.num_updates
+
+    def resync(projections):  # what a rollout worker does with a full-weight message
+        receiver.load_state_dict(weights)
+        keep_projections(receiver, projections)
+        set_policy_step(receiver, step)
+
+    resync({})
+    (delta,) = train_steps(run_b, opt_b, 1, seed0=12)
+    with pytest.raises(DeltaMismatchError, match="first delta of the stream"):
+        apply_delta(receiver, delta, cfg)
+    resync(opt_b.fitted_projections())
+    apply_delta(receiver, delta, cfg)
+    for (n, a), b in zip(run_b.state_dict().items(), receiver.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+
+
+def test_a_publisher_without_the_optimizer_is_refused():
+    """Its full resyncs could not send the fitted projections (refused before any handshake)."""
+    with pytest.raises(ValueError, match="needs the trainer's optimizer"):
+        PolicyPublisher(tiny_qwen2(), _config(), [1])
 
 
 def test_the_fitted_projections_handed_out_are_copies():

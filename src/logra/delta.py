@@ -183,11 +183,13 @@ def kept_projections(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def keep_projections(model: nn.Module, projections: Mapping[str, torch.Tensor]) -> None:
-    """Keep fitted projections (by input group) on ``model`` for the deltas that follow: what
-    a full-weight resync does with the trainer's `LoGRAOptimizer.fitted_projections` (`apply_delta`
-    keeps those of a stream's first delta itself). An empty mapping keeps what is held."""
-    if projections:
-        setattr(model, _FITTED_ATTR, dict(projections))
+    """Keep fitted projections (by input group) on ``model`` for the deltas that follow, in
+    place of any it held: what a full-weight resync does with the trainer's
+    `LoGRAOptimizer.fitted_projections` (`apply_delta` keeps those of a stream's first delta
+    itself). An empty mapping leaves none kept, so a receiver resynced for another run never
+    merges that run's deltas with the last run's projections; a delta that needs them and
+    does not carry them is then refused."""
+    setattr(model, _FITTED_ATTR, dict(projections))
 
 
 def merge_update(weight: torch.Tensor, u: torch.Tensor, projection: torch.Tensor, decay: float) -> None:
@@ -307,5 +309,6 @@ def apply_delta(model: nn.Module, delta: PolicyDelta, config: LoGRAConfig) -> No
             merge_update(w, u.to(w.device), a, delta.decay)
         for name, t in delta.dense.items():
             params[name].copy_(t)
-    keep_projections(model, delta.projections)
+    if delta.projections:  # the stream's first delta; later ones carry none and use the kept ones
+        keep_projections(model, delta.projections)
     set_policy_step(model, delta.step + 1)

@@ -173,7 +173,8 @@ def test_deltas_bitwise_equal_to_apply_delta(make, tp, dtype, strategy):
 def test_fitted_projections_reach_fused_receivers_with_the_first_delta(strategy):
     """``distribution='inputs'``: each tp rank keeps the projections of the stream's first
     delta and merges the later ones bitwise as `apply_delta` does; a rank that joined later
-    refuses, unchanged, until a full resync hands it the trainer's projections."""
+    refuses, unchanged, until a full resync hands it the trainer's projections, and a full resync
+    that hands it none leaves none kept."""
     model = tiny_llama()
     trainer = Trainer(model, distribution="inputs", refresh=False)
     batch = token_batch(model.config.vocab_size, batch=4, seed=50)
@@ -202,6 +203,10 @@ def test_fitted_projections_reach_fused_receivers_with_the_first_delta(strategy)
     apply_delta(reference, delta, trainer.config)
     late.apply(delta)
     assert_fused_equal(dict(late.params), reference, lay)
+    # a resync that sends no projections (the receiver reused for another run) leaves none kept
+    late.resync(hf_state(reference), late.step)
+    with pytest.raises(DeltaMismatchError, match="first delta of the stream"):
+        late.apply(trainer.step()[0])
 
 
 def test_gap_refused_then_resync_restores():

@@ -167,8 +167,9 @@ def test_fp32_engine_follows_20_updates_refuses_bad_deltas_and_resyncs(engines, 
 
 def test_fitted_projections_reach_the_engine_with_the_first_delta(engines, tmp_path):
     """``distribution='inputs'``: the engine keeps the projections the first delta carries,
-    follows every later delta bitwise, and keeps them across a full resync; an engine that
-    missed the first delta gets them with `load_from_model`."""
+    follows every later delta bitwise, and keeps the ones a full resync sends; an engine that
+    missed the first delta gets them with `load_from_model`, and a resync that sends none
+    leaves none kept."""
     get, folder = engines
     run = Run(distribution="inputs", refresh=False)
     ids = torch.tensor(held_out(4, 32), device=DEVICE)
@@ -182,14 +183,24 @@ def test_fitted_projections_reach_the_engine_with_the_first_delta(engines, tmp_p
         engine.publish(delta)
         assert engine.checksum() == engine.trainer_checksum()
     run.model.save_pretrained(tmp_path / "resync")
-    assert engine.resync(str(tmp_path / "resync"), run.i) == engine.trainer_checksum()
-    engine.publish(run.update())  # no projections in it: the engine merges with the ones it kept
+    assert engine.resync(str(tmp_path / "resync"), run.i, run.opt.fitted_projections()) == engine.trainer_checksum()
+    engine.publish(run.update())  # no projections in it: the engine merges with the ones the resync sent
     assert engine.checksum() == engine.trainer_checksum()
     assert (torch.tensor(engine.prompt_logprobs(seqs)) - hf_logprobs(run.model, seqs)).abs().max() < FP32_TOL
     fresh = VLLMPolicy(get("float32"), run.config, model=run.model, optimizer=run.opt)  # configured anew: none kept
     assert fresh.load_from_model(run.i) == fresh.trainer_checksum()
     fresh.publish(run.update())
     assert fresh.checksum() == fresh.trainer_checksum()
+    # a resync that sends none (the engine reused for another run) keeps none: the next delta
+    # is refused, not merged with the projections the engine held
+    run.model.save_pretrained(tmp_path / "resync")
+    held = fresh.resync(str(tmp_path / "resync"), run.i)
+    with pytest.raises(DeltaMismatchError, match="first delta of the stream"):
+        fresh.publish(run.update())
+    assert fresh.checksum() == held
+    blind = VLLMPolicy(get("float32"), run.config, model=run.model)  # no optimizer: no projections to send
+    with pytest.raises(ValueError, match="without the trainer's optimizer"):
+        blind.load_from_model(run.i)
     engine.resync(str(folder), 0)
 
 

@@ -134,6 +134,7 @@ class PolicyPublisher:
         test_hooks: fault injection for tests.
 
     Raises:
+        ValueError: no ``optimizer`` for a config with ``distribution='inputs'``.
         NoWorkersLeftError: no worker passed the handshake.
     """
 
@@ -155,6 +156,10 @@ class PolicyPublisher:
             raise ValueError(f"checksum_every must be >= 0, got {checksum_every}")
         self.checksum_every = checksum_every
         self.hooks = test_hooks or SyncTestHooks()
+        if optimizer is None and config.distribution == "inputs":
+            # a resync without the fitted projections would leave workers unable to merge later deltas
+            raise ValueError("PolicyPublisher needs the trainer's optimizer with distribution='inputs': full "
+                             "resyncs send its fitted projections")
         self.optimizer = optimizer
         self.step = optimizer.num_updates if optimizer is not None else policy_step(model)
         ids = {id(p) for p in optimizer.dense_parameters()} if optimizer is not None else set()

@@ -142,9 +142,16 @@ class VLLMPolicy:
 
     def load_from_model(self, step: int) -> str:
         """Full resync from the trainer ``model``'s current weights (sent as safetensors bytes) at
-        ``step``, with the optimizer's fitted projections (``distribution='inputs'``), if any."""
+        ``step``, with the optimizer's fitted projections (``distribution='inputs'``), if any.
+
+        Raises:
+            ValueError: built without ``model``, or without ``optimizer`` for ``distribution='inputs'``.
+        """
         if self.model is None:
             raise ValueError("VLLMPolicy was built without the trainer's model")
+        if self.optimizer is None and self.config.distribution == "inputs":
+            raise ValueError("VLLMPolicy was built without the trainer's optimizer: a full resync of a run with "
+                             "fitted projections (distribution='inputs') must send them (resync(..., fitted=...))")
         state = {stable_name(n): p.detach().to(self.dtype).contiguous().cpu() for n, p in self.model.named_parameters()}
         fitted = self.optimizer.fitted_projections() if self.optimizer is not None else None
         return self.resync(st_save(state), step, fitted)
@@ -224,9 +231,11 @@ class VLLMPolicy:
                fitted: Mapping[str, torch.Tensor] | None = None) -> str:
         """Full-weight sync from a saved policy (folder, safetensors file or bytes) at ``step``.
 
-        ``fitted``: the trainer's fitted projections (`LoGRAOptimizer.fitted_projections`), for
-        an engine that has not received the first delta of the stream; ``None`` keeps the
-        engine's (a resumed trainer's first delta carries them again anyway).
+        ``fitted``: the trainer's fitted projections (`LoGRAOptimizer.fitted_projections`); they
+        replace the engine's. ``None`` leaves it none: right for a trainer that has not fitted
+        yet or was just resumed (its first delta carries them), refused at the next delta of a
+        trainer whose stream has started (pass them, or use `load_from_model`). An engine reused
+        for another run never keeps the last run's.
         """
         fitted_bytes = encode_tensors(fitted) if fitted else b""
         try:

@@ -382,8 +382,9 @@ class LoGRAWorkerExtension:
 
         Every parameter of the engine's model must be present (a tied ``lm_head`` may be
         absent); tensors are cast to the engine's dtype. ``fitted``: safetensors bytes of the
-        trainer's fitted projections (by input group), kept for the deltas that follow; empty
-        keeps the engine's. Afterwards the engine accepts update ``step`` next. Returns the checksum.
+        trainer's fitted projections (by input group), kept for the deltas that follow in place of
+        the engine's; empty leaves none (a delta that needs them must carry them). Afterwards
+        the engine accepts update ``step`` next. Returns the checksum.
 
         Raises:
             LayoutError: the saved policy lacks a parameter or has another shape; the engine is unchanged.
@@ -397,7 +398,7 @@ class LoGRAWorkerExtension:
                 raise LayoutError(f"full weights for step {step} lack {n}")
             if tuple(full[n].shape) != shape:
                 raise LayoutError(f"full weights for step {step}: {n} is {tuple(full[n].shape)}, expected {shape}")
-        projections = dict(st_load(fitted)) if fitted else None  # read before any weight changes
+        projections = dict(st_load(fitted)) if fitted else {}  # read before any weight changes
         names = [n for n in sorted(full) if n in s["shapes"]]
         try:
             self._logra_reload((n, full[n].to(s["dtype"])) for n in names)
@@ -410,8 +411,7 @@ class LoGRAWorkerExtension:
         self._logra_repack(s, names)
         if isinstance(path_or_bytes, str):  # where a later reconfiguration re-reads the shadow from
             self._logra_source = path_or_bytes
-        if projections:
-            s["fitted"] = projections
+        s["fitted"] = projections  # another run's kept projections would merge this run's deltas wrongly
         s["step"] = step
         s["needs_resync"] = False
         return self.logra_checksum()

@@ -248,7 +248,8 @@ class FusedReceiver:
             checksum: the trainer's `expected_fused_checksum` over all fused tensors of
                 this rank (None: not verified).
             fitted: the trainer's fitted projections (`LoGRAOptimizer.fitted_projections`),
-                kept for the deltas that follow (None keeps the receiver's).
+                kept for the deltas that follow in place of the receiver's (None: none kept, so
+                a delta that needs them must carry them).
 
         Raises:
             LayoutError: ``hf_state`` does not cover the fused tensors.
@@ -261,8 +262,7 @@ class FusedReceiver:
                 self.needs_resync = True
                 raise ChecksumMismatchError(f"full weights for step {step} arrived with checksum {got}, "
                                             f"trainer sent {checksum}")
-        if fitted:
-            self.fitted = dict(fitted)
+        self.fitted = dict(fitted or {})  # another run's kept projections would merge this run's deltas wrongly
         self.step = step
         self.needs_resync = False
         self.resyncs += 1
