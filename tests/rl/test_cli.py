@@ -7,6 +7,7 @@ import math
 import sys
 
 import pytest
+import torch
 from transformers import Qwen2Config
 
 from conftest import save_local_model
@@ -142,6 +143,24 @@ def test_run_config_reads_back_what_a_finished_run_was_started_with(tmp_path):
     config = run_config(tmp_path / "run")
     assert (config.seed, config.task_config, config.kl.budget) == (5, {"min_terms": 2, "max_terms": 2}, 0.002)
     assert (config.logra.rank, config.tiny.sft_steps, config.max_new_tokens) == (4, 2, 4)
+
+
+def test_a_run_saved_with_settings_its_optimizer_never_read_still_resumes(tmp_path, capsys):
+    """Older versions saved a baseline's lr (or logra.lr beside an update ratio) in a LoGRA run's
+    config; they are refused now, so reading the run drops them instead of refusing it."""
+    from logra.rl.checkpoint import save_checkpoint
+
+    saved = RLConfig().to_dict()
+    saved.update(lr=3e-4, lora_rank=8)
+    saved["logra"]["lr"] = 0.01
+    save_checkpoint(tmp_path / "logra", torch.nn.Linear(2, 2), {"update": 3}, saved)
+    config = run_config(tmp_path / "logra")
+    assert (config.lr, config.lora_rank, config.logra.lr) == (RLConfig().lr, RLConfig().lora_rank, RLConfig().logra.lr)
+    err = capsys.readouterr().err
+    assert "lr=0.0003" in err and "lora_rank=8" in err and "logra.lr=0.01" in err
+    saved.update(optimizer="adamw")  # read by AdamW: kept (lora_rank and logra.lr are not)
+    save_checkpoint(tmp_path / "adamw", torch.nn.Linear(2, 2), {"update": 3}, saved)
+    assert run_config(tmp_path / "adamw").lr == 3e-4
 
 
 def test_help_shows_the_embedded_defaults(capsys):

@@ -21,7 +21,7 @@ import yaml
 
 from ..errors import LoGRAError
 from .checkpoint import checkpoint_dir, read_checkpoint_config
-from .config import RECIPES, RLConfig, config_from, flat_fields, recipe_config
+from .config import BASELINE_SETTINGS, RECIPES, RLConfig, config_from, flat_fields, recipe_config
 from .trainer import RLTrainer
 
 _RESUMABLE_CHANGES = {"updates", "eval_every", "checkpoint_every", "tensorboard", "threads"}
@@ -120,9 +120,31 @@ def run_config(run_dir: str | Path) -> RLConfig:
         SystemExit: the run has no checkpoint, or its config fails verification or is refused.
     """
     try:
-        return build_config(_flatten(read_checkpoint_config(Path(run_dir))))
+        return build_config(_saved_values(Path(run_dir)))
     except LoGRAError as e:
         raise SystemExit(f"logra: {e}") from None
+
+
+def _saved_values(run_dir: Path) -> dict[str, Any]:
+    """Dotted keys of the run's checkpointed config, less settings its optimizer never read.
+
+    Versions before the thirty-first session of issue 21 saved a baseline's ``lr``,
+    ``adam_beta1``, ``lora_rank`` or ``lr_schedule`` with another optimizer, and ``logra.lr``
+    beside an update ratio; they changed nothing in that run and are refused now, so they
+    are dropped (with a note on stderr) rather than making the run impossible to resume.
+    """
+    values = _flatten(read_checkpoint_config(run_dir))
+    optimizer = values.get("optimizer", "logra")
+    unread = [k for k, users in BASELINE_SETTINGS.items() if optimizer not in users]
+    if values.get("logra.update_ratio") is not None:
+        unread.append("logra.lr")
+    defaults = _flatten(RLConfig().to_dict())
+    dropped = {k: values.pop(k) for k in unread if k in values}
+    changed = {k: v for k, v in dropped.items() if _coerce_saved(v) != defaults.get(k)}
+    if changed:
+        print(f"logra: {run_dir}: dropping saved settings this run never read (optimizer {optimizer!r}): "
+              + ", ".join(f"{k}={v!r}" for k, v in changed.items()), file=sys.stderr)
+    return values
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -195,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         if checkpoint_dir(Path(args.resume)) is None:
             raise SystemExit(f"logra train: {args.resume} has no checkpoint to resume")
         try:
-            saved = _flatten(read_checkpoint_config(Path(args.resume)))
+            saved = _saved_values(Path(args.resume))
         except LoGRAError as e:
             raise SystemExit(f"logra train: {e}") from None
         wanted = build_config({**saved, **values})
