@@ -161,6 +161,9 @@ def test_a_run_saved_with_settings_its_optimizer_never_read_still_resumes(tmp_pa
     saved.update(optimizer="adamw")  # read by AdamW: kept (lora_rank and logra.lr are not)
     save_checkpoint(tmp_path / "adamw", torch.nn.Linear(2, 2), {"update": 3}, saved)
     assert run_config(tmp_path / "adamw").lr == 3e-4
+    # a resumed LoGRA run still takes (and compares) unread settings given at their defaults
+    _run(tmp_path, *TINY, "--train_pool", "0")
+    assert train_main(["--resume", str(tmp_path / "run"), "--lr", str(RLConfig().lr), "--quiet"]) == 0
 
 
 def test_help_shows_the_embedded_defaults(capsys):

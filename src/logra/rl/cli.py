@@ -126,25 +126,25 @@ def run_config(run_dir: str | Path) -> RLConfig:
 
 
 def _saved_values(run_dir: Path) -> dict[str, Any]:
-    """Dotted keys of the run's checkpointed config, less settings its optimizer never read.
+    """Dotted keys of the run's checkpointed config, with the settings it never read at their defaults.
 
-    Versions before the thirty-first session of issue 21 saved a baseline's ``lr``,
-    ``adam_beta1``, ``lora_rank`` or ``lr_schedule`` with another optimizer, and ``logra.lr``
-    beside an update ratio; they changed nothing in that run and are refused now, so they
-    are dropped (with a note on stderr) rather than making the run impossible to resume.
+    Earlier versions saved a baseline's ``lr``, ``adam_beta1``, ``lora_rank`` or
+    ``lr_schedule`` with another optimizer, and ``logra.lr`` beside an update ratio; they
+    changed nothing in that run and are refused now, so they are reset (with a note on
+    stderr) rather than making the run impossible to resume.
     """
     values = _flatten(read_checkpoint_config(run_dir))
-    optimizer = values.get("optimizer", "logra")
-    unread = [k for k, users in BASELINE_SETTINGS.items() if optimizer not in users]
-    if values.get("logra.update_ratio") is not None:
-        unread.append("logra.lr")
     defaults = _flatten(RLConfig().to_dict())
-    dropped = {k: values.pop(k) for k in unread if k in values}
-    changed = {k: v for k, v in dropped.items() if _coerce_saved(v) != defaults.get(k)}
-    if changed:
-        print(f"logra: {run_dir}: dropping saved settings this run never read (optimizer {optimizer!r}): "
-              + ", ".join(f"{k}={v!r}" for k, v in changed.items()), file=sys.stderr)
-    return values
+    optimizer = values.get("optimizer", defaults["optimizer"])
+    unread = [k for k, users in BASELINE_SETTINGS.items() if optimizer not in users]
+    if values.get("logra.update_ratio", defaults["logra.update_ratio"]) is not None:
+        unread.append("logra.lr")  # the update ratio sizes LoGRA's steps
+    reset = {k: values[k] for k in unread if k in values and _coerce_saved(values[k]) != defaults[k]}
+    if reset:
+        print(f"logra: {run_dir} was saved with settings it never read (optimizer {optimizer!r}); "
+              "they are reset to their defaults: " + ", ".join(f"{k}={v!r}" for k, v in reset.items()),
+              file=sys.stderr)
+    return {**values, **{k: defaults[k] for k in reset}}
 
 
 def load_config_file(path: str) -> dict[str, Any]:
