@@ -147,7 +147,7 @@ def test_run_config_reads_back_what_a_finished_run_was_started_with(tmp_path):
 
 def test_a_run_saved_with_settings_its_optimizer_never_read_still_resumes(tmp_path, capsys):
     """Older versions saved a baseline's lr (or logra.lr beside an update ratio) in a LoGRA run's
-    config; they are refused now, so reading the run drops them instead of refusing it."""
+    config; they are refused now, so reading the run resets them to their defaults instead."""
     from logra.rl.checkpoint import save_checkpoint
 
     saved = RLConfig().to_dict()
