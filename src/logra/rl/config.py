@@ -169,17 +169,15 @@ class RLConfig:
             raise ValueError(f"RLConfig.baseline_decay must be in [0, 1), got {self.baseline_decay}")
         if not 0 <= self.adam_beta1 < 1:
             raise ValueError(f"RLConfig.adam_beta1 must be in [0, 1), got {self.adam_beta1}")
-        if self.lr_schedule != "cosine" and self.optimizer not in ("adamw", "lora"):
-            raise ValueError(f"lr_schedule={self.lr_schedule!r} applies to the adamw and lora baselines only; "
-                             f"optimizer={self.optimizer!r} has no learning-rate schedule (the KL budget sizes "
-                             "its steps: kl.budget -> kl.budget_final)")
         # a baseline's setting changed under another optimizer would be silently ignored
+        hints = {"lr": " (LoGRA's step size is logra.update_ratio, or logra.lr with logra.update_ratio=None)",
+                 "lr_schedule": " (it has no learning-rate schedule: the KL budget sizes its steps, "
+                                "kl.budget -> kl.budget_final)"}
         for name, users in BASELINE_SETTINGS.items():
             if self.optimizer not in users and getattr(self, name) != _FIELD_DEFAULTS[name]:
                 raise ValueError(f"RLConfig.{name}={getattr(self, name)!r} applies to optimizer "
                                  f"{' or '.join(map(repr, users))} only, not {self.optimizer!r}"
-                                 + (" (LoGRA's step size is logra.update_ratio, or logra.lr with "
-                                    "logra.update_ratio=None)" if name == "lr" else ""))
+                                 + hints.get(name, ""))
         if 0 < self.train_pool < self.prompts_per_update:
             raise ValueError(f"train_pool ({self.train_pool}) must be 0 (the default pool) or at least "
                              f"prompts_per_update ({self.prompts_per_update}): each update samples its prompts "
