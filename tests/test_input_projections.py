@@ -286,3 +286,115 @@ def test_inputs_that_are_not_another_input_are_not_refused(case):
     mask = torch.ones(12, dtype=torch.long)
     mask[11] = 0
     assert opt.fit_projections([{"x": x, "encoder": x, "attention_mask": mask}]) == 11
+
+
+# ----------------------------------------------------------------------------- refresh windows
+def _windows(**kw) -> LoGRAConfig:
+    return LoGRAConfig(rank=RANK, update_ratio=1e-2, distribution="inputs", refresh=True, refresh_every=2,
+                       beta1=0.9, **kw)
+
+
+def _windowed_steps(model, opt, steps: int, seed0: int = 0, alpha: float = 1.0) -> list[PolicyDelta]:
+    """``steps`` updates, fitting where the optimizer awaits it on that update's own batch."""
+    deltas = []
+    for i in range(seed0, seed0 + steps):
+        if opt.needs_fit:
+            b = token_batch(model.config.vocab_size, batch=4, seed=500 + i)
+            opt.fit_projections([{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}])
+        model(**token_batch(model.config.vocab_size, seed=i)).loss.backward()
+        deltas.append(opt.apply(opt.propose(), alpha))
+        opt.zero_grad()
+    return deltas
+
+
+def test_a_window_refits_to_the_policys_inputs_then_and_its_first_moment_follows():
+    """At a window's first update the fitted targets have no projection until `fit_projections`;
+    the new ones span the top eigenvectors of the inputs then, and the first moment is the
+    least-squares re-expression of the gradient estimate it held (float64 pinv reference)."""
+    model = tiny_qwen2()
+    opt = LoGRAOptimizer(model, _windows())
+    _windowed_steps(model, opt, 1)
+    old_a = {g: a.double() for g, a in opt.fitted_projections().items()}
+    _windowed_steps(model, opt, 1, seed0=1)
+    assert opt.needs_fit and not opt.fitted_projections()  # none in force until the fit
+    with pytest.raises(RuntimeError, match="fit_projections"):
+        model(**token_batch(model.config.vocab_size)).loss.backward()
+    with pytest.raises(RuntimeError, match="await fit_projections"):
+        opt.propose()
+    opt.zero_grad()
+    linear = [n for n in opt.targets if n != "model.embed_tokens.weight"]
+    assert all(opt.projection(n) is None for n in linear)
+    old_m = {n: m.double().clone() for n, m in opt.momenta().items()}
+    batches = _fit_batches(model.config.vocab_size)
+    inputs: dict[str, list[torch.Tensor]] = {n: [] for n in linear}
+    modules = {n: opt.sketch_target(n).modules[0] for n in linear}
+    for batch in batches:
+        keep = batch["attention_mask"].bool()
+        hooks = [m.register_forward_hook(lambda m, args, out, n=n, keep=keep: inputs[n].append(args[0][keep].double()))
+                 for n, m in modules.items()]
+        with torch.no_grad():
+            model(**batch)
+        for h in hooks:
+            h.remove()
+    opt.fit_projections(batches)
+    assert not opt.needs_fit and opt.projector.fitted_index == 2
+    for name in linear:
+        a = opt.projection(name).double()
+        x = torch.cat(inputs[name]).numpy()
+        q = np.linalg.eigh(x.T @ x)[1][:, -RANK:]
+        assert np.abs(a.T.numpy() @ a.numpy() * RANK / a.shape[1] - q @ q.T).max() < 1e-5, name
+        old = old_a[projection_key(name, True)].numpy()
+        estimate = old_m[name].numpy() @ np.linalg.pinv(old.T)  # min-norm G with G A_oldᵀ = m
+        assert np.allclose(opt.momenta()[name].double().numpy(), estimate @ a.numpy().T, atol=1e-5), name
+
+
+def test_a_refit_to_the_same_subspace_leaves_the_first_moment_as_it_was():
+    """Unchanged weights and the same fit batch: the window's projections are the last one's
+    bit for bit, and the transferred first moment is the one held (seeded projections' Flora
+    transfer ``m·A_old·A_newᵀ`` would scale it by in/r)."""
+    model = tiny_qwen2()
+    opt = LoGRAOptimizer(model, _windows())
+    opt.fit_projections(_fit_batches(model.config.vocab_size))
+    fitted = opt.fitted_projections()
+    for i in range(2):  # α = 0: the moments move, the weights do not
+        model(**token_batch(model.config.vocab_size, seed=i)).loss.backward()
+        opt.apply(opt.propose(), 0.0)
+        opt.zero_grad()
+    held = {n: m.clone() for n, m in opt.momenta().items()}
+    opt.fit_projections(_fit_batches(model.config.vocab_size))
+    assert all(torch.equal(a, opt.fitted_projections()[g]) for g, a in fitted.items())
+    for name, m in opt.momenta().items():
+        if name != "model.embed_tokens.weight":  # its seeded projection was redrawn
+            assert torch.allclose(m, held[name], rtol=1e-4, atol=1e-7), name
+
+
+def test_refits_travel_with_the_delta_and_resume_at_a_window_start_replays_bitwise(tmp_path):
+    """Each window's first delta carries its fitted projections (the others none); a receiver
+    that replays the deltas ends on the trainer's bits; a state saved after a window's last
+    update, before its fit, resumes into the same fit and the same bits."""
+    cfg = _windows(non_target="sketch", optimizer="adam")
+    model, receiver = tiny_qwen2(), tiny_qwen2()
+    opt = LoGRAOptimizer(model, cfg)
+    deltas = _windowed_steps(model, opt, 4)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    deltas += _windowed_steps(model, opt, 3, seed0=4)
+    assert [bool(d.projections) for d in deltas] == [True, False] * 3 + [True]
+    assert not torch.equal(*(d.projections[projection_key(deltas[0].fitted[0], True)] for d in deltas[::2][:2]))
+    for d in deltas:
+        apply_delta(receiver, PolicyDelta.from_bytes(d.to_bytes()), cfg)
+    for (n, a), b in zip(model.state_dict().items(), receiver.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    fresh = tiny_qwen2(seed=123)
+    fresh.load_state_dict(state["model"])
+    opt2 = LoGRAOptimizer(fresh, cfg)
+    opt2.load_state_dict(state["opt"])
+    assert opt2.needs_fit
+    tail = _windowed_steps(fresh, opt2, 3, seed0=4)
+    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+    assert all(torch.equal(a, b) for a, b in zip(deltas[-1].factors.values(), tail[-1].factors.values(), strict=True))
+    with pytest.raises(ValueError, match="refresh window"):
+        opt2.fit_projections(_fit_batches(fresh.config.vocab_size))
+    with pytest.raises(ValueError, match="refresh_every >= 2"):
+        LoGRAConfig(rank=RANK, distribution="inputs", refresh=True, refresh_every=1)

@@ -46,14 +46,16 @@ class LoGRAConfig:
         distribution: ``'rademacher'`` (±1/√r, paper), ``'gaussian'`` (N(0, 1/r)) or
             ``'orthogonal'`` (orthonormal rows × √(in/r): ``AᵀA = I`` exactly at r = in), or
             ``'inputs'`` (not in the paper): each ``nn.Linear`` target's projection spans the
-            top-``r`` principal subspace of its inputs, fitted once by
+            top-``r`` principal subspace of its inputs, fitted by
             `LoGRAOptimizer.fit_projections` before the first update (``logra train`` fits it on
             the first update's prompts) and scaled like ``'orthogonal'``; other targets
             (embeddings) draw Rademacher projections from the seed. The accumulated update of a
             fixed projection lives in its row space, and the inputs' principal subspace holds
             most of dense AdamW's update where a random one holds ``r / in`` of it
-            (docs/learning.md). Needs ``refresh=False`` and ``column_scale='none'``; the fitted
-            projections travel with the first delta of each stream and in the optimizer state.
+            (docs/learning.md). With ``refresh=True`` they are fitted anew at the start of
+            every ``refresh_every``-update window (≥ 2), to the inputs of the policy then.
+            Needs ``column_scale='none'``; the fitted projections travel with the first delta
+            of each stream and of each window, and in the optimizer state.
             The default of ``logra train``'s recipes (not of this class: its defaults are the paper's).
         refresh: draw new projections after updates (paper) instead of keeping one.
         refresh_every: refresh after every k-th update (1 = every update).
@@ -176,10 +178,12 @@ class LoGRAConfig:
         if not self.target_modules:
             raise ValueError("LoGRAConfig.target_modules is empty")
         self._refuse_options_that_do_nothing()
-        if self.distribution == "inputs" and (self.refresh or self.column_scale != "none"):
-            raise ValueError("LoGRAConfig.distribution='inputs' fits one projection per layer for the run: it needs "
-                             "refresh=False and column_scale='none' (projections redrawn from the seed: "
-                             "distribution='rademacher', the paper's)")
+        if self.distribution == "inputs" and (self.refresh and self.refresh_every == 1 or self.column_scale != "none"):
+            raise ValueError("LoGRAConfig.distribution='inputs' fits projections to the inputs, once (refresh=False) "
+                             "or at the start of each refresh window (refresh=True, refresh_every >= 2: each fit "
+                             "is a forward pass over that update's prompts), and needs column_scale='none' "
+                             "(projections redrawn from the seed at every update: distribution='rademacher', "
+                             "the paper's)")
         if self.column_scale != "none" and not self.refresh:
             raise ValueError("LoGRAConfig.column_scale='input' sets the scales at projection refreshes: "
                              "it needs refresh=True")

@@ -3,7 +3,8 @@
 Per target it carries the factor ``U`` (``[out, r]`` in ``factor_dtype``) of
 ``ΔW = -U A`` plus the seed information that rebuilds ``A``: ``out·r`` values instead of
 ``out·in`` weights. Projections fitted to the trainer's inputs (``distribution='inputs'``)
-cannot be rebuilt; the first delta of each stream carries them and receivers keep them.
+cannot be rebuilt; the first delta of each stream carries them (and, with refresh windows,
+the first delta after each re-fit) and receivers keep them until the next ones arrive.
 Trainer and receivers share the two steps that decide the bits:
 `merge_update` (the one merge) and `logra.projection.build_projection` (the one way a
 projection is drawn), so a receiver that applies the same deltas in order with

@@ -142,6 +142,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         dense_ids = {id(p) for p in self.dense_parameters()}
         self._dense_names = {id(p): stable_name(n) for n, p in model.named_parameters() if id(p) in dense_ids}
         self._stream_started = False  # whether a delta with the starting weights' digest was made
+        self._refitted = False  # fitted projections re-fitted since the last delta: the next carries them
         self._step = 0
         rows = self._sketches.sketch_rows
         self.rule: SketchRule = make_rule(config.optimizer, {n: t.out_features for n, t in targets.items()}, rows,
@@ -154,7 +155,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     @property
     def needs_fit(self) -> bool:
-        """True while ``distribution='inputs'`` projections wait for `fit_projections`."""
+        """True while ``distribution='inputs'`` projections wait for `fit_projections`: before
+        the first update and, with refresh windows, at the first update of each window."""
         return self.projector.needs_fit
 
     def fit_projections(self, batches: Iterable[Mapping[str, torch.Tensor]]) -> int:
@@ -163,25 +165,42 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         Runs ``model(**batch)`` for every batch without gradients (padding excluded through
         the batch's ``attention_mask``) and gives each ``nn.Linear`` target the projection
         ``√(in/r)·Qᵀ``, ``Q`` the top-``r`` eigenvectors of ``Σ x xᵀ`` over its input tokens
-        (`logra.projection.InputMoment`). The projections then stay for the run, are saved in
-        `state_dict` and travel with the first delta of each stream. Call it once, before the
-        first backward, with representative prompts (``logra train`` passes the first update's);
-        under data parallelism pass the same batches on every rank, so that every rank fits
-        the same projections. Returns the number of tokens fitted on.
+        (`logra.projection.InputMoment`). The projections are saved in `state_dict` and travel
+        with the first delta of each stream and the first delta after each re-fit. Call it
+        whenever `needs_fit` is True, before that update's backward, with representative
+        prompts (``logra train`` passes that update's): before the first update, and with
+        ``refresh=True`` at the first update of every ``refresh_every``-update window, where
+        the first moment follows the new projections (``m·(A_old A_oldᵀ)⁻¹A_old·A_newᵀ`` with
+        ``momentum_refresh='transfer'``) and the element-wise second moment of
+        ``optimizer='adam'`` is reset or averaged per row (``second_moment_refresh``). Under
+        data parallelism pass the same batches on every rank, so that every rank fits the
+        same projections. Returns the number of tokens fitted on.
 
         Raises:
-            ValueError: the config's distribution is not ``'inputs'``, an update was already
-                applied, a target saw no tokens, or layers that share a fit (q/k/v, gate/up)
-                read different inputs (cross-attention). A target that saw fewer tokens than
-                the rank is fitted with a warning.
+            ValueError: the config's distribution is not ``'inputs'``, the projections in
+                force are this update's already, a target saw no tokens, or layers that
+                share a fit (q/k/v, gate/up) read different inputs (cross-attention). A target
+                that saw fewer tokens than the rank is fitted with a warning.
         """
-        if self.config.distribution != "inputs":
+        cfg = self.config
+        if cfg.distribution != "inputs":
             raise ValueError(f"fit_projections needs LoGRAConfig.distribution='inputs', not "
-                             f"{self.config.distribution!r} (those projections are drawn from the seed)")
-        if self._step:
-            raise ValueError(f"fit_projections after {self._step} updates: the projections are fitted once, before "
-                             "the first update (a resumed optimizer has them from its state)")
-        return self.projector.fit(self.model, batches)
+                             f"{cfg.distribution!r} (those projections are drawn from the seed)")
+        if not self.needs_fit:
+            when = (f" and at the first update of each {cfg.refresh_every}-update refresh window" if cfg.refresh
+                    else " once")
+            raise ValueError(f"fit_projections after {self._step} updates: the projections are fitted before the "
+                             f"first update{when}; those in force are this update's (a resumed optimizer has "
+                             "them from its state)")
+        transfer = bool(self._step) and self.first_moment is not None and self.first_moment.transfers
+        tokens, bases = self.projector.fit(self.model, batches, self._step, self.param_groups[0]["beta2"],
+                                           bases=transfer)
+        if self._step:  # a re-fit: state kept in the last window's coordinates follows the new ones
+            self.rule.on_refresh()
+            if self.first_moment is not None:
+                self.first_moment.on_refresh(bases or {})
+            self._refitted = True
+        return tokens
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -268,7 +287,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
         Raises:
             NonFiniteSketchError: a sketch or dense gradient holds NaN/Inf.
+            RuntimeError: the projections await `fit_projections` (`needs_fit`).
         """
+        if self.needs_fit:  # no sketch was taken against this update's projections
+            raise RuntimeError(f"update {self._step}: the projections await fit_projections(batches) "
+                               "(distribution='inputs', before the first update and each refresh window's)")
         with record_function("logra.propose"):  # a named range: `logra bench memory` times it
             return self._propose(weight_norms)
 
@@ -342,8 +365,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         targets = self._sketches.targets
         base = None
         fitted = list(self.projector.fitted_names)
-        # fitted projections cannot be rebuilt from a seed: the first delta of a stream carries them
-        carried = {} if self._stream_started else self.fitted_projections()
+        # fitted projections cannot be rebuilt from a seed: the first delta of a stream carries
+        # them, and the first after each re-fit
+        carried = self.fitted_projections() if self._refitted or not self._stream_started else {}
         if not self._stream_started and not any(_is_sharded(w) for w in self.param_groups[0]["params"]):
             # once per stream: ties it to the weights it starts from (row-sharded weights skip it)
             base = weights_checksum(self.model, sorted(targets))
@@ -371,7 +395,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             dtype=str(next(iter(targets.values())).weight.dtype).removeprefix("torch.") if base else None,
             fitted=fitted, projections=carried,
         )
-        self._stream_started = True
+        self._stream_started, self._refitted = True, False
         self._step += 1
         set_policy_step(self.model, self._step)
         with record_function("logra.refresh"):
@@ -459,6 +483,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._step = state_dict["num_updates"]
         set_policy_step(self.model, self._step)
         self._stream_started = False  # the resumed stream is tied to the weights it resumes from
+        self._refitted = False
         self._sketches.zero_()
         self.projector.load_state(state_dict, self._step, self.param_groups[0]["beta2"])
 

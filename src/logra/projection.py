@@ -321,9 +321,16 @@ class Projector:
     they will differ (refresh after every update, or the last update of a window), so that
     their draw overlaps the next update's work; the next `install` takes those very bits.
 
+    With ``distribution='inputs'`` and refresh windows, a new window's projections are fitted
+    to the inputs then: `install` at a window's first update leaves the fitted targets without
+    a projection (so that no gradient is sketched against the last window's) until `fit`
+    installs the window's, and with them the seeded ones.
+
     Attributes:
         index: the projection index in force (None before the first `install`).
         column_scales: per target, the ``c`` of the projection in force (``A·diag(c)``).
+        fitted_index: the projection index the fitted projections were fitted for (None
+            before the first `fit`).
     """
 
     def __init__(self, config: LoGRAConfig, targets: dict[str, SketchTarget]) -> None:
@@ -352,6 +359,8 @@ class Projector:
                 if target.modules and all(isinstance(m, nn.Linear) for m in target.modules):
                     self.fitted_keys.setdefault(projection_key(name, config.share_projections), target)
         self.fitted: dict[str, torch.Tensor] = {}
+        self.fitted_index: int | None = None
+        self._refit_due = False  # a window started: its projections await `fit`
         #: the targets whose projection is fitted to their inputs (empty unless ``'inputs'``)
         self.fitted_names = [n for n in targets if projection_key(n, config.share_projections) in self.fitted_keys]
 
@@ -364,12 +373,17 @@ class Projector:
 
     @property
     def needs_fit(self) -> bool:
-        """Whether projections are to be fitted (``distribution='inputs'``) and are not yet."""
-        return bool(self.fitted_keys) and not self.fitted
+        """Whether projections are to be fitted (``distribution='inputs'``): not fitted yet, or
+        a refresh window started and awaits its own."""
+        return bool(self.fitted_keys) and (not self.fitted or self._refit_due)
 
-    def fit(self, model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> int:
+    def fit(self, model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], updates: int = 0,
+            beta2: float = 0.0, bases: bool = False) -> tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]] | None]:
         """Fit the projection of every input group to the inputs ``model`` sees on ``batches``
-        and install them; returns the number of tokens (padding excluded) they were fitted on.
+        and install them for ``updates`` applied updates (0, or a refresh window's first);
+        returns the number of tokens (padding excluded) they were fitted on and what `install`
+        returns (``bases``: the transfer of a first moment; at a refit the old basis of a fitted
+        target is ``(A_old A_oldᵀ)⁻¹ A_old``, see `install`).
 
         Each batch is passed as ``model(**batch)`` without gradients. Where a batch has an
         ``attention_mask`` of the inputs' leading shape, padded tokens are left out. Layers
@@ -385,6 +399,7 @@ class Projector:
                 cross-attention's k/v do), or no layer saw a token.
         """
         batches = list(batches)
+        index = self.index_after(updates)
         readers = self._input_groups()
         # every module of a group, the reader first: the others are checked to read its input
         members: dict[str, list[nn.Module]] = {g: [t.modules[0]] for g, t in readers.items()}
@@ -405,7 +420,7 @@ class Projector:
         scarce: dict[str, int] = {}  # input groups that saw fewer tokens than the rank
         for share in shares:
             moments = {g: InputMoment(readers[g].in_features, self.config.rank,
-                                      projection_seed(self.config.seed, 0, g), readers[g].weight.device)
+                                      projection_seed(self.config.seed, index, g), readers[g].weight.device)
                        for g in share}
             self._record(model, batches, {g: members[g] for g in moments}, moments)
             empty = [g for g, moment in moments.items() if not moment.tokens]
@@ -419,11 +434,12 @@ class Projector:
             first, seen = next(iter(scarce.items()))
             warnings.warn(f"{len(scarce)} projections fitted on fewer input tokens than the rank {self.config.rank} "
                           f"(first: {first}, {seen} tokens): their other rows span directions no input showed. "
-                          "Fit on more prompts (logra train fits on the first update's)", stacklevel=3)
-        self.fitted = fitted
-        self.index = None
-        self.install(0, 0.0)
-        return tokens
+                          "Fit on more prompts (logra train fits on one update's)", stacklevel=3)
+        outgoing = self.fitted
+        self.fitted, self.fitted_index, self._refit_due = fitted, index, False
+        if not outgoing:  # the first fit: install everything afresh (the fitted targets had none)
+            self.index = None
+        return tokens, self.install(updates, beta2, bases=bases, outgoing=outgoing)
 
     @staticmethod
     def _record(model: nn.Module, batches: list[Mapping[str, torch.Tensor]], modules: dict[str, list[nn.Module]],
@@ -478,17 +494,29 @@ class Projector:
         return projection_index(updates, self.config.refresh, self.config.refresh_every)
 
     def install(self, updates: int, beta2: float, scales: dict[str, torch.Tensor] | None = None,
-                bases: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+                bases: bool = False, outgoing: Mapping[str, torch.Tensor] | None = None,
+                ) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
         """Put the projections in force after ``updates`` updates on every target.
 
         ``scales``: the column scales of the new projections (default: from the input
         statistics, with decay ``beta2``). Returns None if the projections in force do not
-        change; else, with ``bases``, per target ``(A_old·diag(c_old)⁻¹, A_new·diag(c_new))``
-        (a first moment's transfer needs them), without, an empty dict.
+        change, or if a refresh window of fitted projections starts (its fitted targets are
+        left without a projection until `fit`); else, with ``bases``, per target
+        ``(A_old·diag(c_old)⁻¹, A_new·diag(c_new))`` (a first moment's transfer needs them),
+        without, an empty dict. A fitted target's old basis is ``(A_old A_oldᵀ)⁻¹ A_old =
+        (r/in)·A_old`` instead (from ``outgoing``, the fitted projections `fit` replaced): its
+        rows are orthogonal, so the transfer ``m·(A_old A_oldᵀ)⁻¹A_old·A_newᵀ`` re-expresses
+        the gradient estimate ``m`` stands for exactly, where two fitted windows' subspaces
+        overlap most; seeded projections keep ``m·A_old·A_newᵀ``, that transfer's expectation.
         """
         index = self.index_after(updates)
         if index == self.index:
             self._draw_ahead(updates)
+            return None
+        if self.fitted and index != self.fitted_index:
+            for name in self.fitted_names:
+                self.targets[name].projection = None
+            self._refit_due = True
             return None
         cfg = self.config
         scales = self.next_column_scales(beta2) if scales is None else scales
@@ -505,6 +533,8 @@ class Projector:
             old = target.projection if bases else None  # rebuilt only where it is used
             if key in self.fitted_keys:  # None until fitted: a sketched forward refuses it
                 drawn[key] = self.fitted.get(projection_key(key, True))
+                if bases:
+                    old = outgoing[projection_key(key, True)] * (cfg.rank / target.in_features)
             elif key in host:
                 drawn[key] = host.pop(key).to(target.weight.device)
             elif key not in drawn:
@@ -588,6 +618,7 @@ class Projector:
             "input_updates": self.input_updates,
             "column_scales": {n: v.clone() for n, v in self.column_scales.items()},
             "fitted_projections": {k: v.clone() for k, v in self.fitted.items()},
+            "fitted_index": self.fitted_index,
         }
 
     def check_state(self, state: dict[str, Any]) -> None:
@@ -615,5 +646,11 @@ class Projector:
         scales = {n: c.to(self.targets[n].weight.device) for n, c in state.get("column_scales", {}).items()}
         groups = self._input_groups()
         self.fitted = {g: a.to(groups[g].weight.device) for g, a in state.get("fitted_projections", {}).items()}
-        self.index = None
+        # states from before refresh windows of fitted projections had the one of index 0
+        self.fitted_index = state.get("fitted_index", 0) if self.fitted else None
+        self.index, self._refit_due = None, False
+        if self.fitted and self.fitted_index != self.index_after(updates):
+            # saved between a window's last update and its fit: the last window's projections
+            # in force (a first moment's transfer starts from them), the refit due
+            self.install(self.fitted_index, beta2, scales=scales)
         self.install(updates, beta2, scales=scales)

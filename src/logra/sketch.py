@@ -185,7 +185,8 @@ def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w = module.weight
     if t.stored_projection is None and (t._probe is not None or torch.is_grad_enabled()):
         raise RuntimeError(f"LoGRA target {t.name} has no projection yet: with distribution='inputs', call "
-                           "LoGRAOptimizer.fit_projections(batches) before the first forward with gradients")
+                           "LoGRAOptimizer.fit_projections(batches) before the first forward with gradients "
+                           "(and, with refresh windows, before the first of each window)")
     if t._probe is not None:
         eps, d, decay = t._probe
         y = F.linear(x, w)

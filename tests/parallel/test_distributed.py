@@ -39,6 +39,8 @@ CONFIGS = {
                            factor_dtype="float32"),
     # projections fitted to the inputs, through the sharded model's forward
     "inputs": LoGRAConfig(rank=4, distribution="inputs", refresh=False),
+    # re-fitted at updates 2 and 4 (every rank on the same batch), the first moment carried
+    "input_windows": LoGRAConfig(rank=4, distribution="inputs", refresh_every=2, beta1=0.9),
 }
 PRELOAD = ["torch", "torch.distributed", "transformers.models.qwen2.modeling_qwen2", "logra", "logra.parallel",
            "conftest", "test_distributed"]
@@ -58,6 +60,7 @@ def _reference(config: LoGRAConfig) -> dict[str, torch.Tensor]:
     opt = LoGRAOptimizer(model, config)
     fit_if_needed(model, opt)
     for step in range(UPDATES):
+        fit_if_needed(model, opt)  # a refresh window's refit
         batch = _batches(step)
         n = count_loss_tokens(batch["labels"])
         model(**batch, num_items_in_batch=n).loss.backward()
@@ -74,6 +77,7 @@ def _dp_train(rank: int, world: int, config: LoGRAConfig, counts: dict[str, int]
     verify_projections(opt)
     per_rank = GLOBAL_BATCH // world
     for step in range(UPDATES):
+        fit_if_needed(model, opt)
         batch = _batches(step)
         mine = {k: v[rank * per_rank: (rank + 1) * per_rank] for k, v in batch.items()}
         n = global_token_count(count_loss_tokens(mine["labels"]))
@@ -118,6 +122,7 @@ def _fsdp_train(rank: int, world: int, name: str, out: Path) -> dict[str, torch.
     receiver = tiny_qwen2()  # a plain copy that only sees the published deltas
     per_rank = GLOBAL_BATCH // world
     for step in range(UPDATES):
+        fit_if_needed(model, opt)
         batch = _batches(step)
         mine = {k: v[rank * per_rank: (rank + 1) * per_rank] for k, v in batch.items()}
         n = global_token_count(count_loss_tokens(mine["labels"]))
@@ -169,7 +174,7 @@ def _rank_main(rank: int, world: int, store: str, out: str) -> None:
         for name in ("freeze", "adamw"):
             results[f"dp_{name}"] = _dp_train(rank, world, CONFIGS[name], counts)
             results[f"counts_{name}"] = dict(counts)
-        for name in ("freeze", "lr_mode", "layer", "element", "inputs"):
+        for name in ("freeze", "lr_mode", "layer", "element", "inputs", "input_windows"):
             results[f"fsdp_{name}"] = _fsdp_train(rank, world, name, out)
         results["mismatch_seed"] = _mismatch(rank, "seed")
         results["mismatch_layer"] = _mismatch(rank, "layer")
@@ -222,7 +227,7 @@ def test_one_collective_per_update(ranks, mode):
     assert [counts[f"collectives_{s}"] for s in range(UPDATES)] == [1 if mode == "freeze" else 2] * UPDATES
 
 
-@pytest.mark.parametrize("mode", ["freeze", "lr_mode", "layer", "element", "inputs"])
+@pytest.mark.parametrize("mode", ["freeze", "lr_mode", "layer", "element", "inputs", "input_windows"])
 def test_row_sharded_fsdp2_matches_single_process(ranks, mode):
     ref = _reference(CONFIGS[mode])
     for r in ranks:

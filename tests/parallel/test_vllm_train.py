@@ -40,20 +40,29 @@ def _rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("distribution", ["rademacher", "inputs"])
+@pytest.mark.parametrize("distribution", ["rademacher", "inputs", "input-windows"])
 def test_train_on_a_vllm_engine_and_resume(tmp_path, distribution):
     """With ``distribution='inputs'`` the engine gets the fitted projections with the first
-    delta, and again with the first delta after the resume (a new stream)."""
+    delta, and again with the first delta after the resume (a new stream); with refresh
+    windows of two updates also the re-fitted ones with update 2's delta (update 3 samples
+    from them) and, resumed at update 4, the ones fitted after the resume."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    windows = distribution == "input-windows"
     logra = LoGRAConfig(rank=16, update_ratio=1e-2, non_target="adamw", non_target_lr=1e-3,
-                        distribution=distribution, refresh=distribution != "inputs")
+                        distribution="rademacher" if distribution == "rademacher" else "inputs",
+                        refresh=distribution != "inputs", refresh_every=2 if windows else 1)
+    updates = 4 if windows else 3
+    # REINFORCE's running baseline gives updates whose rewards are all 0 a gradient (GRPO's
+    # groups would not): update 2's delta must move the weights for its projections to matter
+    options = {"updates": updates, "logra": logra, **({"algorithm": "reinforce"} if windows else {})}
     model, tok = _policy()
-    trainer = RLTrainer(_config(tmp_path / "run", logra=logra), model=model, tokenizer=tok, task=VowelTask(),
+    trainer = RLTrainer(_config(tmp_path / "run", **options), model=model, tokenizer=tok, task=VowelTask(),
                         progress=False)
     trainer.train()
     train = [r for r in _rows(tmp_path / "run") if r["kind"] == "train"]
-    assert [r["update"] for r in train] == [0, 1, 2]
+    assert [r["update"] for r in train] == list(range(updates))
     assert all(0 < r["sync_bytes"] for r in train)
+    assert not windows or all(r["update_norm"] > 0 for r in train)  # every delta moved the weights
     # the engine sampled from the trainer's policy: its log-probs are the trainer's to fp32 noise
     assert all(r["mismatch_kl"] < 1e-9 for r in train), [r["mismatch_kl"] for r in train]
     sync = [r for r in _rows(tmp_path / "run") if r["kind"] == "sync"][-1]
@@ -61,13 +70,13 @@ def test_train_on_a_vllm_engine_and_resume(tmp_path, distribution):
 
     # resume from another initialisation: the engine must be reloaded from the checkpoint and verified
     other, _ = _policy(seed=99)
-    resumed = RLTrainer(_config(tmp_path / "run", updates=4, logra=logra), model=other, tokenizer=tok,
+    resumed = RLTrainer(_config(tmp_path / "run", **{**options, "updates": updates + 1}), model=other, tokenizer=tok,
                         task=VowelTask(), progress=False)
     resumed.load_checkpoint()
     assert resumed.workers.checksum() == resumed.workers.trainer_checksum()
     resumed.train()
     last = [r for r in _rows(tmp_path / "run") if r["kind"] == "train"][-1]
-    assert last["update"] == 3 and last["mismatch_kl"] < 1e-9
+    assert last["update"] == updates and last["mismatch_kl"] < 1e-9
     assert not torch.distributed.is_initialized()  # the engine's process group went with it
     with pytest.raises(ValueError, match="rollout_engine='vllm'"):
         RLConfig(rollout_engine="vllm", optimizer="adamw")

@@ -95,11 +95,14 @@ def test_updates_change_policy_under_kl_control(tmp_path, optimizer):
 
 
 INPUTS = LoGRAConfig(rank=8, update_ratio=1e-2, distribution="inputs", refresh=False)
+#: re-fitted at updates 2, 4, ...: a run resumed at update 2 resumes into a fit
+WINDOWS = LoGRAConfig(rank=8, update_ratio=1e-2, distribution="inputs", refresh=True, refresh_every=2, beta1=0.9)
 
 
 @pytest.mark.parametrize("options", [{}, {"optimizer": "adamw", "lr_schedule": "constant"}, {"logra": INPUTS},
+                                     {"logra": WINDOWS, "algorithm": "reinforce"},  # every update moves it
                                      {"logra": INPUTS, "rollout_workers": 1}],
-                         ids=["logra", "adamw", "logra-inputs", "rollout-workers"])
+                         ids=["logra", "adamw", "logra-inputs", "logra-input-windows", "rollout-workers"])
 def test_resume_continues_exactly(tmp_path, options):
     """A run stopped at update 2 and resumed ends bitwise where the uninterrupted one does
     (rollout workers, started with other weights, sample update 2 from the checkpoint's)."""
@@ -226,9 +229,11 @@ def _dp_rank(rank: int, world: int, store: str, root: str, optimizer: str) -> No
     init_local(rank, world, store)
     try:
         model, tok = _policy()
-        inputs = optimizer == "logra-inputs"
-        cfg = _config(__import__("pathlib").Path(root), updates=2, optimizer="logra" if inputs else optimizer,
-                      **({"logra": INPUTS} if inputs else {}))
+        inputs = optimizer.startswith("logra-input")
+        windows = optimizer == "logra-input-windows"  # re-fitted at update 2: every rank to the same prompts
+        cfg = _config(__import__("pathlib").Path(root), updates=3 if windows else 2,
+                      optimizer="logra" if inputs else optimizer,
+                      **({"logra": WINDOWS if windows else INPUTS} if inputs else {}))
         trainer = RLTrainer(cfg, model=model, tokenizer=tok, task=VowelTask(), progress=False)
         trainer.train()
         digest = weights_checksum(trainer.model)
@@ -239,7 +244,7 @@ def _dp_rank(rank: int, world: int, store: str, root: str, optimizer: str) -> No
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("optimizer", ["logra", "lora", "logra-inputs"])
+@pytest.mark.parametrize("optimizer", ["logra", "lora", "logra-inputs", "logra-input-windows"])
 def test_data_parallel_two_ranks_stay_identical(tmp_path, optimizer):
     """Two ranks split the prompts, all-reduce one sketch buffer (LoRA: the adapters'
     gradients) and apply the same step. Spawned ranks start from unrelated torch RNG states,
@@ -257,7 +262,7 @@ def test_data_parallel_two_ranks_stay_identical(tmp_path, optimizer):
 
     assert weights_checksum(model) != (tmp_path / "digest0").read_text()  # the policy moved
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["update"] for r in rows if r["kind"] == "train"] == [0, 1]
+    assert [r["update"] for r in rows if r["kind"] == "train"] == list(range(3 if "windows" in optimizer else 2))
     assert (tmp_path / "run" / "checkpoint" / "rng-rank1.pt").exists()
     if optimizer == "logra-inputs":
         alone = RLTrainer(_config(tmp_path / "alone", logra=INPUTS), model=_policy()[0], tokenizer=_policy()[1],
@@ -267,6 +272,27 @@ def test_data_parallel_two_ranks_stay_identical(tmp_path, optimizer):
             fitted = torch.load(tmp_path / f"fitted{rank}.pt")
             assert fitted.keys() == alone.optimizer.projector.fitted.keys()
             assert all(torch.equal(a, alone.optimizer.projector.fitted[k]) for k, a in fitted.items())
+
+
+def test_each_window_is_fitted_to_the_prompts_of_its_first_update(tmp_path):
+    """``distribution='inputs'`` with refresh windows: the trainer fits before updates 0, 2, 4,
+    each time on the (unpadded) prompts that update trains on."""
+    model, tok = _policy()
+    trainer = RLTrainer(_config(tmp_path, updates=5, logra=WINDOWS), model=model, tokenizer=tok, task=VowelTask(),
+                        progress=False)
+    fit, seen = trainer.optimizer.fit_projections, []
+
+    def recording(batches):
+        batches = list(batches)
+        rows = [(ids, mask) for b in batches for ids, mask in zip(b["input_ids"], b["attention_mask"], strict=True)]
+        seen.append((trainer.optimizer.num_updates, [tok.decode(ids[mask.bool()]) for ids, mask in rows]))
+        return fit(batches)
+
+    trainer.optimizer.fit_projections = recording
+    trainer.train()
+    assert [update for update, _ in seen] == [0, 2, 4]
+    for update, prompts in seen:
+        assert prompts == [p.prompt for p in trainer._train_problems(update, every_rank=True)]
 
 
 def test_yaml_example_config_runs(tmp_path):
@@ -283,10 +309,12 @@ def test_yaml_example_config_runs(tmp_path):
     assert summary["updates"] == 1
 
 
-@pytest.mark.parametrize("logra", [LoGRAConfig(rank=8, update_ratio=1e-2), INPUTS], ids=["seeded", "inputs"])
+@pytest.mark.parametrize("logra", [LoGRAConfig(rank=8, update_ratio=1e-2), INPUTS, WINDOWS],
+                         ids=["seeded", "inputs", "input-windows"])
 def test_rollouts_on_workers_with_verified_deltas(tmp_path, logra):
     """Two rollout workers generate the training batches and stay bitwise equal to the trainer
-    (with fitted projections, which only the first delta carries)."""
+    (with fitted projections, which the first delta carries, and with windows the first of
+    each window)."""
     model, tok = _policy()
     cfg = _config(tmp_path, updates=3, rollout_workers=2, logra=logra)
     trainer = RLTrainer(cfg, model=model, tokenizer=tok, task=VowelTask(), progress=False)
