@@ -90,7 +90,9 @@ class LoGRAConfig:
             as the recipes run it) or ``refresh_every`` > 1.
         momentum_refresh: what happens to the momentum when the projections are redrawn:
             ``'transfer'`` carries it into the new projection, ``M ← M·(A_old A_newᵀ)``
-            (the sketch under ``A_new`` of its reconstruction ``M A_old``); ``'reset'``
+            (the sketch under ``A_new`` of its reconstruction ``M A_old``; for projections
+            fitted to the inputs ``M·(A_old A_oldᵀ)⁻¹A_old·A_newᵀ``, exact on the subspaces'
+            overlap); ``'reset'``
             zeroes it (and restarts its bias correction).
         second_moment: what RowAdam's row second moment is computed from when ``beta1`` > 0:
             ``'sketch'`` (the raw sketch of this update, as Adam does) or ``'momentum'``.
@@ -100,7 +102,9 @@ class LoGRAConfig:
             mean and keeps the bias correction running. Under a new random projection every
             entry of row ``i`` of the sketch has the same expected square, ``‖G_i‖² / r``
             (times the column scales' mean square), which the old row mean estimates; the
-            element-wise detail is rebuilt at rate ``beta2``. Not in the paper.
+            element-wise detail is rebuilt at rate ``beta2``. In a basis fitted to the inputs
+            (ordered by input variance) the entries' squares differ and the row mean only
+            sets their scale. Not in the paper.
         trust_ratio: ``'global'`` (paper: one ‖ΔW‖/‖W‖ = ``update_ratio`` over all targets
             together), ``'layer'`` (each target's ‖ΔW_l‖ = ``update_ratio``·‖W_l‖, LARS/LAMB
             style) or ``'element'`` (each target's ‖ΔW_l‖ = ``update_ratio``·RMS(W)·√numel_l:

@@ -65,8 +65,9 @@ class PolicyDelta:
         projections: those fitted projections (``[r, in]`` fp32) by input group
             (`logra.projection.projection_key` with ``shared=True``: the q/k/v and the gate/up
             layers of a decoder layer read one input and have one), on the first delta of each
-            stream (the one with ``base_checksum``); later deltas name them in ``fitted`` and
-            receivers use the ones they kept.
+            stream (the one with ``base_checksum``) and, with refresh windows, the first delta
+            after each re-fit; other deltas name them in ``fitted`` and receivers use the ones
+            they kept.
     """
 
     step: int
@@ -168,9 +169,9 @@ def delta_projection(delta: PolicyDelta, config: LoGRAConfig, name: str, in_feat
     if a is None:
         raise DeltaMismatchError(
             f"update {delta.step}: the projection of {name} was fitted to the trainer's inputs and travels with the "
-            "first delta of the stream, which this receiver has not applied (resync it with the trainer's "
-            "LoGRAOptimizer.fitted_projections, as VLLMPolicy.load_from_model and rollout workers do, or resume "
-            "the trainer, whose next delta carries them)")
+            "first delta of the stream (and of each refresh window), which this receiver has not applied (resync "
+            "it with the trainer's LoGRAOptimizer.fitted_projections, as VLLMPolicy.load_from_model and rollout "
+            "workers do, or resume the trainer, whose next delta carries them)")
     if tuple(a.shape) != (config.rank, in_features):
         raise DeltaMismatchError(f"update {delta.step}: the fitted projection of {name} is {tuple(a.shape)}, "
                                  f"expected {(config.rank, in_features)}")
@@ -178,17 +179,17 @@ def delta_projection(delta: PolicyDelta, config: LoGRAConfig, name: str, in_feat
 
 
 def kept_projections(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The fitted projections ``model`` received with the first delta of its stream or with
-    a full resync (by input group)."""
+    """The fitted projections ``model`` received last, with a delta that carried them (a
+    stream's first, or a refresh window's) or with a full resync (by input group)."""
     return getattr(model, _FITTED_ATTR, {})
 
 
 def keep_projections(model: nn.Module, projections: Mapping[str, torch.Tensor]) -> None:
     """Keep fitted projections (by input group) on ``model`` for the deltas that follow, in
     place of any it held: what a full-weight resync does with the trainer's
-    `LoGRAOptimizer.fitted_projections` (`apply_delta` keeps those of a stream's first delta
-    itself). An empty mapping leaves none kept, so a receiver resynced for another run never
-    merges that run's deltas with the last run's projections; a delta that needs them and
+    `LoGRAOptimizer.fitted_projections` (`apply_delta` keeps those a delta carries itself).
+    An empty mapping leaves none kept, so a receiver resynced for another run never merges
+    that run's deltas with the last run's projections; a delta that needs them and
     does not carry them is then refused."""
     setattr(model, _FITTED_ATTR, dict(projections))
 
@@ -256,8 +257,8 @@ def weights_checksum(model: nn.Module | Mapping[str, torch.Tensor], names: list[
 
 def apply_delta(model: nn.Module, delta: PolicyDelta, config: LoGRAConfig) -> None:
     """Apply ``delta`` to a copy of the policy, rebuilding every projection from seeds
-    (fitted ones, ``distribution='inputs'``, arrive with the stream's first delta and are
-    kept on ``model``).
+    (fitted ones, ``distribution='inputs'``, arrive with the stream's first delta, and with
+    refresh windows each window's, and are kept on ``model``).
 
     The model must have received every earlier delta (`policy_step`), so gaps and
     reorders are refused; so are deltas made with other sync fields, for weights of
@@ -310,6 +311,6 @@ def apply_delta(model: nn.Module, delta: PolicyDelta, config: LoGRAConfig) -> No
             merge_update(w, u.to(w.device), a, delta.decay)
         for name, t in delta.dense.items():
             params[name].copy_(t)
-    if delta.projections:  # the stream's first delta; later ones carry none and use the kept ones
+    if delta.projections:  # a stream's or a refresh window's first delta; others use the kept ones
         keep_projections(model, delta.projections)
     set_policy_step(model, delta.step + 1)

@@ -240,7 +240,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """The projections fitted to the inputs, ``[r, in]`` fp32 by input group
         (`logra.projection.projection_key` with ``shared=True``): what the first delta of a
         stream carries and what a full-weight resync must send beside the weights, since a
-        receiver cannot rebuild them from a seed. Empty unless ``distribution='inputs'`` and fitted.
+        receiver cannot rebuild them from a seed. Empty unless ``distribution='inputs'`` and
+        fitted, and while a refresh window awaits its fit (the next delta carries the new ones).
         Copies: a receiver in this process keeps them apart from the optimizer's."""
         projections = {projection_key(n, True): self.projection(n) for n in self.projector.fitted_names}
         return {k: a.clone() for k, a in projections.items() if a is not None}

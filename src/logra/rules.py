@@ -294,9 +294,10 @@ class FirstMoment:
 
     ``M ← β1·M + (1-β1)·clip·S`` per target, one ``[Σ out, r]`` buffer in ``dtype``, fed to the
     rule bias-corrected (``M / (1 - β1^k)``, ``k`` the updates folded in since the last reset).
-    At a projection refresh it is carried into the new coordinates, ``M ← M·(A_old A_newᵀ)``
-    (``refresh='transfer'``: the sketch under ``A_new`` of its reconstruction ``M A_old``,
-    as Flora does), or zeroed (``'reset'``).
+    At a projection refresh it is carried into the new coordinates, ``M ← M·(B_old A_newᵀ)``
+    (``refresh='transfer'``: the sketch under ``A_new`` of its reconstruction ``M B_old``; the
+    `Projector` gives ``B_old = A_old`` for a seeded projection, as Flora does, and
+    ``(A_old A_oldᵀ)⁻¹A_old`` for one fitted to the inputs), or zeroed (``'reset'``).
     """
 
     def __init__(self, like: torch.Tensor, views: Views, dtype: torch.dtype, refresh: str) -> None:

@@ -293,6 +293,20 @@ def test_each_window_is_fitted_to_the_prompts_of_its_first_update(tmp_path):
     assert [update for update, _ in seen] == [0, 2, 4]
     for update, prompts in seen:
         assert prompts == [p.prompt for p in trainer._train_problems(update, every_rank=True)]
+    # a loop of its own that steps the optimizer (as `logra bench diagnostics` does) and calls
+    # `fit_projections` before each backward: fitted on the optimizer's update, not the trainer's
+    model, tok = _policy()
+    trainer = RLTrainer(_config(tmp_path / "own", logra=WINDOWS), model=model, tokenizer=tok, task=VowelTask(),
+                        progress=False)
+    fit, seen = trainer.optimizer.fit_projections, []
+    trainer.optimizer.fit_projections = recording
+    for i in range(3):
+        trainer.fit_projections()
+        trainer.model(**conftest.token_batch(len(tok), seed=i)).loss.backward()
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad()
+    assert [update for update, _ in seen] == [0, 2]
+    assert seen[1][1] == [p.prompt for p in trainer._train_problems(2, every_rank=True)]
 
 
 def test_yaml_example_config_runs(tmp_path):

@@ -288,10 +288,10 @@ class RLTrainer:
         return chosen if every_rank else chosen[self.rank:: self.world]  # whole groups per rank
 
     def fit_projections(self) -> None:
-        """Fit LoGRA's ``distribution='inputs'`` projections on this update's prompts where
-        they await a fit (before the first update, and with refresh windows at each window's
-        first). `train_step` calls it; a loop that steps ``self.optimizer`` itself calls it
-        before each backward."""
+        """Fit LoGRA's ``distribution='inputs'`` projections on the prompts of the optimizer's
+        next update where they await a fit (before the first update, and with refresh windows
+        at each window's first). `train_step` calls it; a loop that steps ``self.optimizer``
+        itself calls it before each backward."""
         if not (isinstance(self.optimizer, LoGRAOptimizer) and self.optimizer.needs_fit):
             return
         t0 = time.perf_counter()
@@ -304,10 +304,11 @@ class RLTrainer:
                        f"{time.perf_counter() - t0:.1f} s")
 
     def _fit_batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        """The batches projections are fitted on (``distribution='inputs'``): this update's
-        prompts, all ranks' on every rank (so that every rank fits the same ones without a
-        collective), tokenized ``micro_batch`` prompts at a time."""
-        prompts = [p.prompt for p in self._train_problems(self.num_updates, every_rank=True)]
+        """The batches projections are fitted on (``distribution='inputs'``): the prompts of the
+        optimizer's next update (the trainer's, or a loop's of its own that steps the optimizer),
+        all ranks' on every rank (so that every rank fits the same ones without a collective),
+        tokenized ``micro_batch`` prompts at a time."""
+        prompts = [p.prompt for p in self._train_problems(self.optimizer.num_updates, every_rank=True)]
         size = self.config.micro_batch
         for i in range(0, len(prompts), size):
             b = self.tokenizer(prompts[i: i + size], return_tensors="pt", padding=True).to(self.device)

@@ -147,9 +147,9 @@ def record_gradients(
                      f"{r['time_update']:.1f} s")
         elif loss == "sft":
             problems = trainer.task.problems("train", updates * sft_batch, seed=config.seed + 1_000)
-            trainer.fit_projections()
             trainer.model.train()
             for i in range(updates):
+                trainer.fit_projections()  # before the first update, and each refresh window's
                 chunk = problems[i * sft_batch: (i + 1) * sft_batch]
                 batch = _sft_batch(trainer.tokenizer, [(p.prompt, trainer.task.reference_response(p)) for p in chunk],
                                    trainer.device)

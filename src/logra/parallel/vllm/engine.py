@@ -159,7 +159,7 @@ class LoGRAWorkerExtension:
         state: dict[str, Any] = {
             "config": config, "layout": layout, "targets": targets, "dense": dense, "shapes": shapes,
             "step": step, "needs_resync": False, "mode": "shadow" if prepacked else "inplace",
-            "fitted": {},  # distribution='inputs': the projections of the stream's first delta
+            "fitted": {},  # distribution='inputs': the projections the last delta that carried any carried
             "dtype": self.model_runner.model_config.dtype,  # type: ignore[attr-defined]
         }
         if prepacked:

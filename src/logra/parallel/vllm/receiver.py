@@ -118,7 +118,7 @@ def apply_delta_fused(fused: Mapping[str, torch.Tensor], delta: PolicyDelta, con
 
     For each target the projection ``A`` is rebuilt from the seeds exactly as
     `apply_delta` does (a fitted one is the delta's, or else ``kept``'s: the projections of
-    the stream's first delta), and `merge_update` (the trainer's arithmetic: ``U`` and ``A``
+    the last delta that carried any), and `merge_update` (the trainer's arithmetic: ``U`` and ``A``
     cast to the weight's dtype, decay first, then ``addmm_``) runs in the fused
     tensor's dtype and device. Step order is not checked here: use `FusedReceiver`.
 
@@ -187,7 +187,7 @@ class FusedReceiver:
         self.step = step
         self.needs_resync = False
         self.resyncs = 0
-        self.fitted: dict[str, torch.Tensor] = {}  # distribution='inputs': the stream's first delta's
+        self.fitted: dict[str, torch.Tensor] = {}  # distribution='inputs': the last carried ones
 
     def apply(self, delta: PolicyDelta, checksum: str | None = None,
               dense: Mapping[str, torch.Tensor] | None = None) -> None:
