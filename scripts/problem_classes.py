@@ -112,7 +112,7 @@ def main() -> None:
 
 
 def _plot(curves_of: dict[Path, tuple[list[int], dict[str, dict[str, list[float]]]]], path: Path) -> None:
-    """One panel per class: each run's Pass@1 on it over the updates."""
+    """One panel per class: each run's Pass@1 on it over the updates (LoGRA solid, others dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,7 +124,7 @@ def _plot(curves_of: dict[Path, tuple[list[int], dict[str, dict[str, list[float]
         for run, (updates, curves) in curves_of.items():
             if name in curves:
                 ax.plot(updates, curves[name]["pass@1"], marker=".", label=run.name,
-                        ls="-" if "logra" in run.name else "--")
+                        ls="-" if run_config(run).optimizer == "logra" else "--")
         sizes = {int(c[name]["size"][0]) for _, c in curves_of.values() if name in c}
         ax.set_title(f"{name} ({min(sizes)}–{max(sizes)} problems)" if len(sizes) > 1 else f"{name} ({sizes.pop()})",
                      fontsize=9)

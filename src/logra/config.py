@@ -48,7 +48,7 @@ class LoGRAConfig:
             ``'inputs'`` (not in the paper): each ``nn.Linear`` target's projection spans the
             top-``r`` principal subspace of its inputs, fitted by
             `LoGRAOptimizer.fit_projections` before the first update (``logra train`` fits it on
-            the first update's prompts) and scaled like ``'orthogonal'``; other targets
+            that update's prompts) and scaled like ``'orthogonal'``; other targets
             (embeddings) draw Rademacher projections from the seed. The accumulated update of a
             fixed projection lives in its row space, and the inputs' principal subspace holds
             most of dense AdamW's update where a random one holds ``r / in`` of it
