@@ -58,9 +58,8 @@ def _reference(config: LoGRAConfig) -> dict[str, torch.Tensor]:
     """One process, the whole global batch per update."""
     model = tiny_qwen2()
     opt = LoGRAOptimizer(model, config)
-    fit_if_needed(model, opt)
     for step in range(UPDATES):
-        fit_if_needed(model, opt)  # a refresh window's refit
+        fit_if_needed(model, opt)  # before the first update, and each refresh window's
         batch = _batches(step)
         n = count_loss_tokens(batch["labels"])
         model(**batch, num_items_in_batch=n).loss.backward()
