@@ -372,6 +372,35 @@ def test_rollout_workers_sample_the_configured_nucleus(tmp_path):
     torch.testing.assert_close(r.logprobs[:, 1:][mask], logp.gather(-1, tokens)[..., 0][mask], rtol=1e-4, atol=1e-4)
 
 
+def test_logged_entropy_estimates_the_sampling_policys_per_token_entropy(tmp_path):
+    """``entropy`` (the mean −log π of the sampled tokens) against the exact entropy of the
+    starting policy's tempered distribution at every response position of the same rollout:
+    they differ by a mean of zero-mean terms, within four of its standard errors."""
+    model, tok = _policy()
+    start = copy.deepcopy(model).eval()
+    recorded = []
+
+    class Recording(RLTrainer):
+        def _rollout(self, problems):
+            out = super()._rollout(problems)
+            recorded.append(out[1])
+            return out
+
+    cfg = _config(tmp_path, updates=1, prompts_per_update=16, micro_batch=64, temperature=0.8, seed=1)
+    logged = Recording(cfg, model=model, tokenizer=tok, task=VowelTask(), progress=False).train_step()["entropy"]
+    r = recorded[0]
+    with torch.no_grad():
+        logp = (start(input_ids=r.input_ids, attention_mask=r.attention_mask).logits[:, :-1].double() / 0.8)
+        logp = logp.log_softmax(-1)
+    mask = r.response_mask[:, 1:].bool()
+    exact = -(logp.exp() * logp).sum(-1)[mask]  # H at each response position
+    surprise = -logp.gather(-1, r.input_ids[:, 1:, None])[..., 0][mask]
+    noise = surprise - exact
+    assert mask.sum() >= 100
+    assert abs(logged - float(exact.mean())) <= 4 * float(noise.std() / noise.numel() ** 0.5) + 1e-6
+    assert logged == pytest.approx(float(surprise.mean()), rel=1e-5)
+
+
 @pytest.mark.parametrize("non_target", ["freeze", "sketch"])
 def test_chunked_logprobs_equal_full_logits_and_give_the_same_sketches(non_target):
     """Log-probs through the head chunk by chunk (checkpointed) = log-softmax of the full logits,

@@ -182,7 +182,11 @@ class RLTrainer:
         return self._finish() if self.rank == 0 else {"rank": self.rank, "updates": self.num_updates}
 
     def train_step(self) -> dict[str, Any]:
-        """One update: rollout → reward → loss → sketch → proposal → KL scale → apply."""
+        """One update: rollout → reward → loss → sketch → proposal → KL scale → apply.
+
+        Returns the update's record, the line `train` writes to ``metrics.jsonl``; its keys are
+        listed in docs/architecture.md ("What a run writes").
+        """
         cfg = self.config
         t0 = time.perf_counter()
         if self.device.type == "cuda":
@@ -211,6 +215,10 @@ class RLTrainer:
             n_tokens = global_token_count(n_tokens)
         self.model.train()
         loss_sum, clip_sum, mismatch_sum = 0.0, 0.0, 0.0
+        # Σ −log π of the sampled tokens under the policy that sampled them: each term's
+        # expectation given its prefix is that position's entropy, so over the update it
+        # estimates the sampling policy's per-token entropy without a pass over the vocabulary
+        entropy_sum = -float((rollout.logprobs * rollout.response_mask).sum())
         for start in range(0, len(rollout), cfg.micro_batch):
             mb = rollout.select(list(range(start, min(start + cfg.micro_batch, len(rollout)))))
             with self._autocast:
@@ -226,8 +234,8 @@ class RLTrainer:
             mismatch_sum += mismatch_kl_sum(logp, mb.logprobs, mb.response_mask)
         if self.world > 1:
             self.updater.reduce()
-        loss_sum, clip_sum, mismatch_sum, truncated = self._sum(
-            [loss_sum, clip_sum, mismatch_sum, float(rollout.truncated.float().sum())])
+        loss_sum, clip_sum, mismatch_sum, entropy_sum, truncated = self._sum(
+            [loss_sum, clip_sum, mismatch_sum, entropy_sum, float(rollout.truncated.float().sum())])
         mismatch = mismatch_sum / n_tokens
         self.controller.observe_mismatch(mismatch)
         for hook in self._gradient_hooks:
@@ -242,7 +250,8 @@ class RLTrainer:
             "kind": "train", "update": self.num_updates, "reward": reward_sum / n_all, "pass_rate": correct / n_all,
             "loss": loss_sum / n_tokens, "response_len": n_tokens / n_all,
             "truncation_rate": truncated / n_all, "clip_frac": clip_sum / n_tokens,
-            "mismatch_kl": mismatch, "time_rollout": t_rollout - t0, "time_train": t_backward - t_rollout,
+            "mismatch_kl": mismatch, "entropy": entropy_sum / n_tokens,
+            "time_rollout": t_rollout - t0, "time_train": t_backward - t_rollout,
             "time_step": t_apply - t_backward, "time_update": t_apply - t0,
             "reward_failures": getattr(self.task, "failures", 0),
         })
