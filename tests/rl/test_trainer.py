@@ -346,23 +346,29 @@ def test_rollouts_on_workers_with_verified_deltas(tmp_path, logra):
         RLConfig(rollout_workers=1, optimizer="adamw")
 
 
+class _RecordingTrainer(RLTrainer):
+    """An `RLTrainer` that keeps the rollout of every update (``rollouts``)."""
+
+    def __init__(self, *args, **kwargs):
+        self.rollouts = []
+        super().__init__(*args, **kwargs)
+
+    def _rollout(self, problems):
+        problems, rollout = super()._rollout(problems)
+        self.rollouts.append(rollout)
+        return problems, rollout
+
+
 def test_rollout_workers_sample_the_configured_nucleus(tmp_path):
     """``top_p`` reaches the rollout workers: every token of the first update's responses lies
     in the nucleus of the starting policy (its tokens ranked above hold < top_p of the mass),
     and the recorded log-probs are the full tempered distribution's."""
     model, tok = _policy()
     start = copy.deepcopy(model).eval()
-    recorded = []
-
-    class Recording(RLTrainer):
-        def _rollout(self, problems):
-            out = super()._rollout(problems)
-            recorded.append(out[1])
-            return out
-
     cfg = _config(tmp_path, updates=1, rollout_workers=1, top_p=0.1, temperature=0.8)
-    Recording(cfg, model=model, tokenizer=tok, task=VowelTask(), progress=False).train()
-    r = recorded[0]
+    trainer = _RecordingTrainer(cfg, model=model, tokenizer=tok, task=VowelTask(), progress=False)
+    trainer.train()
+    r = trainer.rollouts[0]
     with torch.no_grad():
         logp = (start(input_ids=r.input_ids, attention_mask=r.attention_mask).logits[:, :-1] / 0.8).log_softmax(-1)
     tokens, mask = r.input_ids[:, 1:, None], r.response_mask[:, 1:].bool()
@@ -378,17 +384,10 @@ def test_logged_entropy_estimates_the_sampling_policys_per_token_entropy(tmp_pat
     they differ by a mean of zero-mean terms, within four of its standard errors."""
     model, tok = _policy()
     start = copy.deepcopy(model).eval()
-    recorded = []
-
-    class Recording(RLTrainer):
-        def _rollout(self, problems):
-            out = super()._rollout(problems)
-            recorded.append(out[1])
-            return out
-
     cfg = _config(tmp_path, updates=1, prompts_per_update=16, micro_batch=64, temperature=0.8, seed=1)
-    logged = Recording(cfg, model=model, tokenizer=tok, task=VowelTask(), progress=False).train_step()["entropy"]
-    r = recorded[0]
+    trainer = _RecordingTrainer(cfg, model=model, tokenizer=tok, task=VowelTask(), progress=False)
+    logged = trainer.train_step()["entropy"]
+    r = trainer.rollouts[0]
     with torch.no_grad():
         logp = (start(input_ids=r.input_ids, attention_mask=r.attention_mask).logits[:, :-1].double() / 0.8)
         logp = logp.log_softmax(-1)
