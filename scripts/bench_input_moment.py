@@ -33,6 +33,7 @@ from torch import nn
 import logra.projection
 from logra import LoGRAConfig, LoGRAOptimizer
 from logra.bench.common import FULL_SHAPE
+from logra.bench.memory import build_model, build_parser, make_batch
 from logra.projection import InputMoment, Projector
 from logra.rl import RLTrainer
 from logra.rl.cli import _parser, build_config
@@ -59,17 +60,16 @@ def _moments(model: nn.Module, batches: Batches, rank: int) -> dict[str, torch.T
     return {g: m.moment for g, m in moments.items()}
 
 
-def _random_model(layers: int, tokens: int, seed: int = 0) -> tuple[nn.Module, Batches]:
-    """A random Qwen2 of the 330 M shape cut to ``layers``, and ``tokens`` random tokens (rows of 512)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+def _random_model(layers: int, tokens: int) -> tuple[nn.Module, Batches]:
+    """``logra bench memory``'s random 330 M-shape model cut to ``layers``, and its random token
+    batch of ``tokens`` tokens (rows of up to 512)."""
     s = FULL_SHAPE
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(hidden_size=s["hidden"], num_hidden_layers=layers, num_attention_heads=s["heads"],
-                      num_key_value_heads=s["kv_heads"], intermediate_size=s["intermediate"], vocab_size=s["vocab"],
-                      tie_word_embeddings=False)
-    ids = torch.randint(0, s["vocab"], (max(tokens // 512, 1), min(tokens, 512)))
-    return Qwen2ForCausalLM(cfg).eval(), [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    args = build_parser().parse_args([
+        "--hidden", str(s["hidden"]), "--layers", str(layers), "--heads", str(s["heads"]),
+        "--kv-heads", str(s["kv_heads"]), "--intermediate", str(s["intermediate"]), "--vocab", str(s["vocab"]),
+        "--batch", str(max(tokens // 512, 1)), "--seq", str(min(tokens, 512))])
+    batch = make_batch(args)
+    return build_model(args).eval(), [{"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}]
 
 
 def main(argv: list[str]) -> None:
