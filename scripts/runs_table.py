@@ -24,7 +24,8 @@ def main() -> None:
     p.add_argument("--group", action="append", required=True, metavar="LABEL=GLOB[,GLOB...]",
                    help="finished run directories of one row (comma-separated globs)")
     p.add_argument("--reference", default=None, help="label the paired differences are taken against")
-    p.add_argument("--out", type=Path, default=Path("learning-runs.png"))
+    p.add_argument("--out", type=Path, default=Path("runs/learning-runs.png"),
+                   help="figure path (default under runs/, which git ignores)")
     p.add_argument("--title", default="held-out Pass@1 over the run")
     args = p.parse_args()
     groups = {}
