@@ -235,6 +235,40 @@ def test_dense_adamw_proposal_predicts_its_kl():
     assert exact == pytest.approx(1e-4, rel=0.2)
 
 
+@pytest.mark.parametrize("method", ["adamw", "logra"])
+def test_controlled_steps_do_not_depend_on_the_step_size(method):
+    # Adam's moments (RowAdam's too) do not depend on the rate and the step is linear in it,
+    # so while α stays below its cap the controller takes the same steps at any learning rate
+    # or update ratio (docs/learning.md, section 48).
+    args_of = []
+    for seed in range(3):
+        batch = token_batch(97, batch=4, length=24, seed=seed)
+        response = batch["attention_mask"].clone()
+        response[:, :8] = 0
+        args_of.append((batch, (batch["input_ids"], batch["attention_mask"], response)))
+    moved = {}
+    for rate in (1e-4, 1e-2):
+        model = tiny_qwen2(hidden=48)
+        start = copy.deepcopy(model.state_dict())
+        if method == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=rate, weight_decay=0.1)
+        else:
+            opt = LoGRAOptimizer(model, LoGRAConfig(rank=8, update_ratio=rate, factor_dtype="float32"))
+        controller = KLController(budget=1e-4, schedule="constant", alpha_max=1e6)
+        for step, (batch, args) in enumerate(args_of):
+            opt.zero_grad()
+            model(**batch).loss.backward()
+            if method == "adamw":
+                proposal = DenseProposal.from_optimizer(model, opt)
+                proposal.apply(controller.scale(predicted_kl(model, proposal, *args), step))
+            else:
+                proposal = opt.propose()
+                opt.apply(proposal, controller.scale(predicted_kl(model, proposal, *args), step))
+        moved[rate] = torch.cat([(v - start[k]).flatten() for k, v in model.state_dict().items()])
+    assert moved[1e-4].norm() > 0
+    assert (moved[1e-4] - moved[1e-2]).norm() <= 1e-3 * moved[1e-2].norm()
+
+
 def test_nan_gradient_dense_proposal_changes_nothing():
     model = tiny_qwen2()
     adam = torch.optim.AdamW(model.parameters(), lr=1e-3)
