@@ -6,6 +6,7 @@ import copy
 import math
 import types
 
+import peft
 import pytest
 import torch
 from torch import nn
@@ -235,11 +236,11 @@ def test_dense_adamw_proposal_predicts_its_kl():
     assert exact == pytest.approx(1e-4, rel=0.2)
 
 
-@pytest.mark.parametrize("method", ["adamw", "logra"])
+@pytest.mark.parametrize("method", ["adamw", "lora", "logra"])
 def test_controlled_steps_do_not_depend_on_the_step_size(method):
     # Adam's moments (RowAdam's too) do not depend on the rate and the step is linear in it,
     # so while α stays below its cap the controller takes the same steps at any learning rate
-    # or update ratio (docs/learning.md, section 48).
+    # or update ratio; LoRA's two factors included (docs/learning.md, section 48).
     args_of = []
     for seed in range(3):
         batch = token_batch(97, batch=4, length=24, seed=seed)
@@ -249,16 +250,20 @@ def test_controlled_steps_do_not_depend_on_the_step_size(method):
     moved = {}
     for rate in (1e-4, 1e-2):
         model = tiny_qwen2(hidden=48)
+        if method == "lora":
+            torch.manual_seed(0)  # the same adapters at both rates
+            model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "up_proj"]))
         start = copy.deepcopy(model.state_dict())
-        if method == "adamw":
-            opt = torch.optim.AdamW(model.parameters(), lr=rate, weight_decay=0.1)
+        if method != "logra":
+            trained = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(trained, lr=rate, weight_decay=0.1)
         else:
             opt = LoGRAOptimizer(model, LoGRAConfig(rank=8, update_ratio=rate, factor_dtype="float32"))
         controller = KLController(budget=1e-4, schedule="constant", alpha_max=1e6)
         for step, (batch, args) in enumerate(args_of):
             opt.zero_grad()
             model(**batch).loss.backward()
-            if method == "adamw":
+            if method != "logra":
                 proposal = DenseProposal.from_optimizer(model, opt)
                 proposal.apply(controller.scale(predicted_kl(model, proposal, *args), step))
             else:
