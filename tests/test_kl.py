@@ -26,12 +26,17 @@ from logra.kl import controlled_update
 from logra.memory import enable_activation_checkpointing
 
 
+def _batch_and_response(seed=1):
+    batch = token_batch(97, batch=4, length=24, seed=seed)
+    response = batch["attention_mask"].clone()
+    response[:, :8] = 0  # the first 8 tokens are the prompt
+    return batch, response
+
+
 def _setup(ratio=1e-2, **cfg):
     model = tiny_qwen2(hidden=48)
     opt = LoGRAOptimizer(model, LoGRAConfig(rank=8, update_ratio=ratio, factor_dtype="float32", **cfg))
-    batch = token_batch(97, batch=4, length=24, seed=1)
-    response = batch["attention_mask"].clone()
-    response[:, :8] = 0  # the first 8 tokens are the prompt
+    batch, response = _batch_and_response()
     model(**batch).loss.backward()
     return model, opt, batch, response
 
@@ -220,9 +225,7 @@ def test_state_restored_and_works_with_checkpointing():
 
 def test_dense_adamw_proposal_predicts_its_kl():
     model = tiny_qwen2(hidden=48)
-    batch = token_batch(97, batch=4, length=24, seed=1)
-    response = batch["attention_mask"].clone()
-    response[:, :8] = 0
+    batch, response = _batch_and_response()
     adam = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     model(**batch).loss.backward()
     proposal = DenseProposal.from_optimizer(model, adam)
@@ -243,9 +246,7 @@ def test_controlled_steps_do_not_depend_on_the_step_size(method):
     # or update ratio; LoRA's two factors included (docs/learning.md, section 48).
     args_of = []
     for seed in range(3):
-        batch = token_batch(97, batch=4, length=24, seed=seed)
-        response = batch["attention_mask"].clone()
-        response[:, :8] = 0
+        batch, response = _batch_and_response(seed)
         args_of.append((batch, (batch["input_ids"], batch["attention_mask"], response)))
     moved = {}
     for rate in (1e-4, 1e-2):
